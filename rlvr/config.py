@@ -1,0 +1,274 @@
+"""Typed run configuration: YAML presets plus `--set a.b=c` overrides, validated once at load.
+
+Every option is a typed field with a one-line description and a default from the field's practice;
+an unknown key, a wrong type or an impossible value fails at load with the dotted key named.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 128)
+
+
+class ConfigError(ValueError):
+    """A configuration problem, naming the offending key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(Section):
+    enabled: bool = Field(False, description="Train a PEFT LoRA adapter instead of all weights.")
+    r: int = Field(16, gt=0, description="LoRA rank.")
+    alpha: int = Field(32, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="LoRA dropout (0 keeps runs bitwise reproducible)."
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        description="Module names that receive adapters.",
+    )
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        "tiny", description="'tiny' (built locally), 'smollm2' (bundled), or a local HF directory."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Weights dtype for training and generation."
+    )
+    seed: int = Field(0, description="Seed for building the tiny model.")
+    sft_warmup_steps: int = Field(
+        0, ge=0, description="Supervised warm-up steps on reference solutions (tiny model)."
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class DifficultyConfig(Section):
+    min_steps: int = Field(1, ge=1, description="Fewest arithmetic operations per problem.")
+    max_steps: int = Field(2, ge=1, description="Most arithmetic operations per problem.")
+    max_operand: int = Field(20, ge=1, description="Largest operand.")
+    operators: str = Field("+-", min_length=1, description="Allowed operators, a subset of '+-*'.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DifficultyConfig:
+        if self.max_steps < self.min_steps:
+            raise ValueError("max_steps must be >= min_steps")
+        if set(self.operators) - set("+-*"):
+            raise ValueError("operators may only contain '+', '-', '*'")
+        return self
+
+
+class TaskConfig(Section):
+    name: Literal["arithmetic", "file"] = Field(
+        "arithmetic", description="Procedural task or a user dataset file."
+    )
+    train_path: str | None = Field(
+        None, description="JSONL/parquet training data when name='file'."
+    )
+    test_path: str | None = Field(None, description="JSONL/parquet held-out data when name='file'.")
+    difficulty: DifficultyConfig = Field(default_factory=DifficultyConfig)
+    n_train: int = Field(2000, gt=0, description="Procedural training problems.")
+    n_test: int = Field(100, gt=0, description="Procedural held-out problems.")
+    seed: int = Field(0, description="Task generation seed.")
+    instruction: str = Field(
+        "Put your final answer in \\boxed{}.", description="Appended to every prompt."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskConfig:
+        if self.name == "file" and not self.train_path:
+            raise ValueError("train_path is required when name='file'")
+        return self
+
+
+class GenerationConfig(Section):
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm", description="Generation engine; 'hf' is the transformers fallback."
+    )
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for rollouts.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_tokens: int = Field(256, gt=0, description="Longest response in tokens.")
+    max_model_len: int = Field(
+        1024, gt=0, description="Prompt + response context the engine reserves."
+    )
+    group_size: int = Field(8, gt=0, description="Rollouts per prompt (GRPO group).")
+    prompts_per_step: int = Field(8, gt=0, description="Prompts per training step.")
+    kv_cache_gib: float = Field(1.0, gt=0.0, description="KV cache size for vLLM on CPU.")
+    eval_samples: int = Field(1, gt=0, description="Samples per held-out problem (mean@k).")
+    eval_temperature: float = Field(0.0, ge=0.0, description="Temperature for held-out evaluation.")
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerationConfig:
+        if self.max_tokens >= self.max_model_len:
+            raise ValueError("max_tokens must be < max_model_len (the prompt needs room)")
+        return self
+
+
+class TrainingConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    lr: float = Field(1e-5, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
+    micro_batch_size: int = Field(
+        8, gt=0, description="Sequences per forward/backward micro-batch."
+    )
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to the reference policy.")
+    clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO ratio clip below 1.")
+    clip_high: float = Field(
+        0.2, gt=0.0, description="PPO ratio clip above 1 (DAPO clip-higher uses 0.28)."
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses are averaged."
+    )
+
+
+class AlgorithmConfig(Section):
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
+    advantage_scale: Literal["group", "none"] = Field(
+        "group", description="'group' divides by group std; 'none' is Dr.GRPO."
+    )
+    advantage_eps: float = Field(1e-6, gt=0.0, description="Added to the group std.")
+
+
+class VerifierConfig(Section):
+    kind: Literal["math"] = Field("math", description="Reward function.")
+    num_workers: int = Field(2, gt=0, description="Verifier processes.")
+    timeout_s: float = Field(5.0, gt=0.0, description="Hard per-item verification timeout.")
+
+
+class RunConfig(Section):
+    name: str = Field(
+        "run", min_length=1, description="Run name (used for the run directory and actor names)."
+    )
+    output_dir: str = Field("runs", description="Parent directory of run directories.")
+    steps: int = Field(20, gt=0, description="Training steps.")
+    seed: int = Field(0, description="Seed of data order, sampling and training.")
+    eval_every: int = Field(
+        10, ge=0, description="Held-out evaluation every N steps (0: only at start and end)."
+    )
+    keep_last: int = Field(
+        2, gt=0, description="Step checkpoints to keep (the best by held-out accuracy is kept too)."
+    )
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        if self.algorithm.name == "grpo" and self.generation.group_size < 2:
+            raise ValueError(
+                "generation.group_size must be >= 2 for GRPO (a group of one has no baseline)"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{key}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split 'a.b=c' into (['a', 'b'], value parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value")
+    key, raw = item.split("=", 1)
+    if not key:
+        raise ConfigError(f"override {item!r} has an empty key")
+    return key.split("."), yaml.safe_load(raw) if raw else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `--set` overrides to a nested dict; an unknown path fails naming the key."""
+    known = Config().to_dict()
+    for item in overrides:
+        path, value = parse_override(item)
+        node, schema = data, known
+        for i, part in enumerate(path):
+            dotted = ".".join(path[: i + 1])
+            if not isinstance(schema, dict) or part not in schema:
+                raise ConfigError(f"invalid config: {dotted}: unknown key")
+            schema = schema[part]
+            if i == len(path) - 1:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"invalid config: {dotted}: is not a section")
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML preset (or the defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        data = loaded or {}
+    data = apply_overrides(data, overrides or [])
+    return config_from_dict(data)
+
+
+def check_model_for_backend(cfg: Config, model_dir: Path) -> None:
+    """Checks that need the resolved model: vLLM's CPU kernels accept only some head sizes."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(
+            f"invalid config: model.path: {model_dir} holds no config.json (not a HF model directory)"
+        )
+    hf = json.loads(config_file.read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if cfg.generation.backend == "vllm" and head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"invalid config: model.path: head size {head_dim} is not supported by vLLM's CPU kernels "
+            f"(supported: {VLLM_CPU_HEAD_SIZES}); use generation.backend=hf or another model"
+        )
+    if cfg.generation.max_model_len > hf.get(
+        "max_position_embeddings", cfg.generation.max_model_len
+    ):
+        raise ConfigError(
+            f"invalid config: generation.max_model_len: {cfg.generation.max_model_len} exceeds the model's "
+            f"max_position_embeddings {hf['max_position_embeddings']}"
+        )

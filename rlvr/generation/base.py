@@ -1,0 +1,91 @@
+"""Generation interface: request/result types and the backend protocol every engine implements.
+
+Backends (vLLM, transformers) take prompt token ids and return sampled token ids with their
+log-probs; per-sample stop rules (DUET's marker-gated abort) plug in through `StopRule`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings shared by all samples of a request."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+    """Base seed; sample j of a request draws from seed + j so samples are independent and replayable."""
+
+
+@runtime_checkable
+class StopRule(Protocol):
+    """Per-sample rule consulted while tokens are produced; it can force EOS mid-generation.
+
+    A fresh rule object is made for every sample (`StopRuleFactory`), so rules may hold state.
+    """
+
+    def should_stop(self, generated_ids: Sequence[int]) -> bool:
+        """Called after each new token with all response ids so far; True forces EOS next."""
+        ...
+
+    def flags(self) -> dict[str, Any]:
+        """What the rule decided (e.g. marker / eps_kept / aborted), returned with the sample."""
+        ...
+
+
+class StopRuleFactory(Protocol):
+    def __call__(self, request_index: int, sample_index: int) -> StopRule: ...
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt, `n` samples. `request_id` is the caller's stable key (e.g. prompt id)."""
+
+    prompt_ids: list[int]
+    n: int = 1
+    request_id: str = ""
+
+
+@dataclass
+class Sample:
+    """One sampled response."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    """Log-prob of each sampled token under the sampling distribution (after temperature)."""
+    finish_reason: str
+    """'stop' (EOS or stop rule), 'length' (max_tokens), or 'abort'."""
+    flags: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_ids: list[int]
+    samples: list[Sample]
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """A generation engine that can take new weights in place."""
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        stop_rule_factory: StopRuleFactory | None = None,
+    ) -> list[GenerationResult]: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights in place (HF parameter names) without restarting it."""
+        ...
+
+    def close(self) -> None: ...

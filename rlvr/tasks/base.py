@@ -1,0 +1,17 @@
+"""Task types: a verifiable problem with a stable id, a prompt, a gold answer and a reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One verifiable problem. `id` is stable across runs (used to key per-prompt state)."""
+
+    id: str
+    prompt: str
+    answer: str
+    """Gold final answer, as text (compared by the math verifier)."""
+    solution: str = ""
+    """Reference solution ending in \\boxed{answer}; used for SFT warm-up and DRO references."""

@@ -1,0 +1,75 @@
+"""Config loading: defaults, overrides, and errors that name the offending key."""
+
+import json
+
+import pytest
+
+from rlvr.config import ConfigError, check_model_for_backend, load_config
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert cfg.generation.group_size == 8
+    assert cfg.training.zero_stage == 2
+
+
+def test_yaml_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n  steps: 3\ngeneration:\n  group_size: 4\n")
+    cfg = load_config(
+        f, ["training.lr=3e-4", "model.lora.enabled=true", "task.difficulty.operators=+-*"]
+    )
+    assert cfg.run.steps == 3
+    assert cfg.generation.group_size == 4
+    assert cfg.training.lr == pytest.approx(3e-4)
+    assert cfg.model.lora.enabled is True
+    assert cfg.task.difficulty.operators == "+-*"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["training.lrr=1"], "training.lrr"),
+        (["nosuch.x=1"], "nosuch"),
+        (["training.lr=fast"], "training.lr"),
+        (["training.lr=-1"], "training.lr"),
+        (["generation.group_size=1"], "generation.group_size"),
+        (["generation.max_tokens=2048"], "generation"),
+        (["training.zero_stage=5"], "training.zero_stage"),
+        (["task.difficulty.operators=+/"], "task.difficulty"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("training:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"training\.learning_rate: unknown key"):
+        load_config(f)
+
+
+def test_missing_file_and_bad_top_level(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    f = tmp_path / "c.yaml"
+    f.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(f)
+
+
+def test_head_size_rejected_for_vllm(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"hidden_size": 96, "num_attention_heads": 2, "max_position_embeddings": 2048})
+    )
+    cfg = load_config()
+    with pytest.raises(ConfigError, match=r"model\.path: head size 48"):
+        check_model_for_backend(cfg, tmp_path)
+    check_model_for_backend(load_config(None, ["generation.backend=hf"]), tmp_path)
+
+
+def test_not_a_model_dir(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        check_model_for_backend(load_config(), tmp_path)
