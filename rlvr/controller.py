@@ -1,0 +1,101 @@
+"""Training-time control state owned by the ControllerActor: step counter, per-prompt statistics,
+metrics history and recent rollouts. Every update carries its step and is applied at most once.
+
+Pure Python so it is unit-testable and its `state_dict` is plain JSON for durable checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class StepOrderError(RuntimeError):
+    """An update arrived for a step that is neither the next one nor an already-applied retry."""
+
+
+@dataclass
+class PromptStats:
+    """Running statistics of one prompt across the steps it was drawn in."""
+
+    visits: int = 0
+    samples: int = 0
+    reward_mean: float = 0.0
+    last_step: int = -1
+
+    def update(self, rewards: list[float], step: int) -> None:
+        total = self.reward_mean * self.samples + sum(rewards)
+        self.samples += len(rewards)
+        self.visits += 1
+        self.reward_mean = total / self.samples if self.samples else 0.0
+        self.last_step = step
+
+
+@dataclass
+class TrainingController:
+    """Plans each step and absorbs its observations exactly once (retries are no-ops)."""
+
+    group_size: int
+    recent_rollouts_cap: int = 256
+    last_applied_step: int = -1
+    prompts: dict[str, PromptStats] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    recent_rollouts: deque = field(default_factory=deque)
+
+    def plan_step(self, step: int, prompt_ids: list[str]) -> dict[str, Any]:
+        """Rollouts per prompt for `step` (fixed group size for GRPO)."""
+        if step != self.last_applied_step + 1:
+            raise StepOrderError(
+                f"plan for step {step} but the next step is {self.last_applied_step + 1}"
+            )
+        return {"step": step, "n": {pid: self.group_size for pid in prompt_ids}}
+
+    def observe_step(
+        self,
+        step: int,
+        rewards_by_prompt: dict[str, list[float]],
+        metrics: dict[str, Any],
+        rollouts: list[dict[str, Any]] | None = None,
+    ) -> bool:
+        """Apply the step's observations; returns False (and changes nothing) for a retried step."""
+        if step <= self.last_applied_step:
+            return False
+        if step != self.last_applied_step + 1:
+            raise StepOrderError(
+                f"observation for step {step} but the next step is {self.last_applied_step + 1}"
+            )
+        for pid, rewards in rewards_by_prompt.items():
+            self.prompts.setdefault(pid, PromptStats()).update(list(rewards), step)
+        self.history.append({"step": step, **metrics})
+        for r in rollouts or []:
+            self.recent_rollouts.append({"step": step, **r})
+            while len(self.recent_rollouts) > self.recent_rollouts_cap:
+                self.recent_rollouts.popleft()
+        self.last_applied_step = step
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        """A small live view for notebooks and progress displays."""
+        return {
+            "last_applied_step": self.last_applied_step,
+            "prompts_seen": len(self.prompts),
+            "last_metrics": self.history[-1] if self.history else {},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "group_size": self.group_size,
+            "last_applied_step": self.last_applied_step,
+            "prompts": {pid: vars(s).copy() for pid, s in self.prompts.items()},
+            "history": copy.deepcopy(self.history),
+            "recent_rollouts": list(self.recent_rollouts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.group_size = state["group_size"]
+        self.last_applied_step = state["last_applied_step"]
+        self.prompts = {pid: PromptStats(**s) for pid, s in state["prompts"].items()}
+        self.history = copy.deepcopy(state["history"])
+        self.recent_rollouts = deque(state["recent_rollouts"])
