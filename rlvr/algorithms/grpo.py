@@ -1,0 +1,220 @@
+"""GRPO core: group-normalised advantages, the PPO-clip token loss and the k3 KL estimator.
+
+Pure functions over numpy/torch in the style of verl's core_algos; a config string picks the
+advantage scaling ("group" = GRPO, "none" = Dr.GRPO) and the loss aggregation from small registries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+
+AdvantageScale = Callable[[float, float], float]
+LossAggregation = Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor]
+
+ADVANTAGE_SCALES: dict[str, AdvantageScale] = {}
+LOSS_AGGREGATIONS: dict[str, LossAggregation] = {}
+
+
+def register_advantage_scale(name: str) -> Callable[[AdvantageScale], AdvantageScale]:
+    """Register `fn(group_std, eps) -> divisor` under `name` for `group_advantages(scale=name)`."""
+
+    def wrap(fn: AdvantageScale) -> AdvantageScale:
+        ADVANTAGE_SCALES[name] = fn
+        return fn
+
+    return wrap
+
+
+def register_loss_agg(name: str) -> Callable[[LossAggregation], LossAggregation]:
+    """Register `fn(token_loss, mask, max_len) -> scalar` under `name` for `policy_loss(agg=name)`."""
+
+    def wrap(fn: LossAggregation) -> LossAggregation:
+        LOSS_AGGREGATIONS[name] = fn
+        return fn
+
+    return wrap
+
+
+def _lookup(registry: dict, name: str, what: str):
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(registry)}")
+    return registry[name]
+
+
+@register_advantage_scale("group")
+def _scale_by_group_std(std: float, eps: float) -> float:
+    return std + eps
+
+
+@register_advantage_scale("none")
+def _no_scale(std: float, eps: float) -> float:
+    # Dr.GRPO: dividing by the group std up-weights near-uniform groups (too easy or too hard).
+    return 1.0
+
+
+def group_advantages(
+    rewards: np.ndarray | torch.Tensor,
+    group_ids: Sequence[Hashable] | np.ndarray | torch.Tensor,
+    scale: str = "group",
+    eps: float = 1e-6,
+    singleton: str = "zero",
+) -> np.ndarray | torch.Tensor:
+    """Per-sequence GRPO advantages `[batch]`: (r - group mean) / (group std + eps) within each group.
+
+    `group_ids[i]` names the prompt that sequence i answers (any hashable: str ids, ints). The std is
+    the sample (unbiased, ddof=1) std, as `torch.std` in verl's GRPO estimator; a group whose rewards
+    are all equal gets advantage 0 everywhere. `scale="none"` (Dr.GRPO) skips the division. A group
+    of one sequence has no baseline: `singleton="zero"` gives it 0 (no signal), `singleton="reward"`
+    gives it A = r (verl's behaviour: mean 0, std 1). Returns the kind of `rewards` (numpy float64
+    array, or a float tensor on the same device).
+    """
+    divisor = _lookup(ADVANTAGE_SCALES, scale, "advantage scale")
+    if singleton not in ("zero", "reward"):
+        raise ValueError(f"singleton must be 'zero' or 'reward', got {singleton!r}")
+    is_torch = isinstance(rewards, torch.Tensor)
+    r = (rewards.detach().cpu().numpy() if is_torch else np.asarray(rewards)).astype(np.float64)
+    if isinstance(group_ids, torch.Tensor):
+        group_ids = group_ids.tolist()
+    if r.ndim != 1 or len(group_ids) != len(r):
+        raise ValueError(
+            f"rewards must be [batch] matching group_ids, got {r.shape} vs {len(group_ids)}"
+        )
+
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    adv = np.zeros_like(r)
+    for idx in members.values():
+        group = r[idx]
+        if len(idx) == 1:
+            adv[idx] = group if singleton == "reward" else 0.0
+            continue
+        adv[idx] = (group - group.mean()) / divisor(float(group.std(ddof=1)), eps)
+
+    if not is_torch:
+        return adv
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    return torch.as_tensor(adv, dtype=dtype, device=rewards.device)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` over positions where `mask` is true (0 when none); NaN/inf outside stay out.
+
+    Uses `torch.where`, not `x * mask`: 0 * inf is NaN, and masked positions may hold -inf log-probs.
+    """
+    mask = mask.bool()
+    total = torch.where(mask, x, torch.zeros_like(x)).sum()
+    return total / mask.sum().clamp(min=1)
+
+
+def kl_k3(
+    logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, always >= 0.
+
+    Schulman's low-variance unbiased estimator for samples drawn from pi. Shapes `[batch, seq]`.
+    With `mask`, positions outside it are exactly 0 and pass no gradient, even where the
+    log-probs there are -inf or NaN (the difference is selected before the exp).
+    """
+    diff = ref_logp - logp
+    if mask is not None:
+        diff = torch.where(mask.bool(), diff, torch.zeros_like(diff))
+    return torch.exp(diff) - diff - 1.0
+
+
+def kl_k3_mean(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token mean of `kl_k3` over the valid positions of `mask` (`[batch, seq]` -> scalar)."""
+    return masked_mean(kl_k3(logp, ref_logp, mask), mask)
+
+
+@register_loss_agg("token-mean")
+def _token_mean(loss: torch.Tensor, mask: torch.Tensor, max_len: int | None) -> torch.Tensor:
+    # Every valid token of the batch counts equally (DAPO): long responses weigh more.
+    return masked_mean(loss, mask)
+
+
+@register_loss_agg("seq-mean-token-mean")
+def _seq_mean_token_mean(
+    loss: torch.Tensor, mask: torch.Tensor, max_len: int | None
+) -> torch.Tensor:
+    # Original GRPO: each sequence counts equally; sequences with no valid token are skipped.
+    counts = mask.sum(dim=-1)
+    seq_sums = torch.where(mask, loss, torch.zeros_like(loss)).sum(dim=-1)
+    seq_means = seq_sums / counts.clamp(min=1)
+    has_tokens = counts > 0
+    return torch.where(
+        has_tokens, seq_means, torch.zeros_like(seq_means)
+    ).sum() / has_tokens.sum().clamp(min=1)
+
+
+@register_loss_agg("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(
+    loss: torch.Tensor, mask: torch.Tensor, max_len: int | None
+) -> torch.Tensor:
+    # Dr.GRPO: a constant normaliser removes the length bias of per-sequence means; every
+    # sequence of the batch (also an empty one) counts in the mean.
+    norm = loss.shape[-1] if max_len is None else max_len
+    seq_sums = torch.where(mask, loss, torch.zeros_like(loss)).sum(dim=-1)
+    return (seq_sums / norm).mean()
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip policy loss with asymmetric clipping, aggregated by `agg`.
+
+    Shapes: `logp`, `old_logp`, `mask` `[batch, seq]`; `advantages` `[batch]` or `[batch, seq]`;
+    `weights` `[batch]` (e.g. DUET importance weights) multiply each sequence's token losses.
+    Per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)) with
+    ratio = exp(logp - old_logp). Positions outside `mask` may hold -inf/NaN log-probs; they are
+    removed with `torch.where` before the exp, so the loss and its gradients stay finite.
+    `max_len` is the constant of "seq-mean-token-sum-norm" (default: the seq dim); keep it the same
+    across micro-batches of one step.
+
+    Returns the scalar loss and detached 0-dim stats: clip_frac (tokens whose clipped term is
+    active), clip_frac_low / clip_frac_high (by side), approx_kl (mean old - new log-prob),
+    ratio_mean, ratio_max, ratio_min (over valid tokens).
+    """
+    aggregate = _lookup(LOSS_AGGREGATIONS, agg, "loss aggregation")
+    mask = mask.bool()
+    zeros = torch.zeros_like(logp)
+    log_ratio = torch.where(mask, logp - old_logp, zeros)
+    ratio = torch.exp(log_ratio)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logp)
+    adv = torch.where(mask, advantages.to(logp.dtype), zeros)
+
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    token_loss = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        token_loss = token_loss * weights.to(token_loss.dtype)[:, None]
+    loss = aggregate(token_loss, mask, max_len)
+
+    with torch.no_grad():
+        is_clipped = (clipped > unclipped) & mask
+        # Fill values keep the max/min on device (boolean indexing would sync a GPU).
+        any_valid = mask.any()
+        stats = {
+            "clip_frac": masked_mean(is_clipped.to(logp.dtype), mask),
+            "clip_frac_low": masked_mean((is_clipped & (ratio < 1.0)).to(logp.dtype), mask),
+            "clip_frac_high": masked_mean((is_clipped & (ratio > 1.0)).to(logp.dtype), mask),
+            "approx_kl": masked_mean(-log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+            "ratio_max": torch.where(any_valid, torch.where(mask, ratio, zeros).max(), 1.0),
+            "ratio_min": torch.where(
+                any_valid, torch.where(mask, ratio, torch.full_like(ratio, torch.inf)).min(), 1.0
+            ),
+        }
+    return loss, stats

@@ -1,0 +1,1 @@
+"""Reward functions: answer extraction and verifiers that score responses against a gold."""
