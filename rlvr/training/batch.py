@@ -1,0 +1,131 @@
+"""The training batch (prompt + response token ids, right-padded, with the loss mask) and the
+per-token log-prob / entropy functions that define its alignment.
+
+Log-prob alignment used everywhere in `rlvr.training`: ``logp[:, t]`` is
+``log p(input_ids[:, t] | input_ids[:, :t])``. Position 0 has no prediction; it holds 0 and is never in
+``response_mask``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """One batch of B sequences of length T (prompt then response, right-padded with the pad id).
+
+    ``response_mask`` is True exactly on response tokens that receive loss (never on prompt or
+    padding tokens). The optional per-sequence ``advantages`` / ``weights`` (``[B]``) and per-token
+    ``old_logp`` / ``ref_logp`` (``[B, T]``, same alignment as the module docstring) are filled in by
+    the caller or by the trainer before the loss.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long, 1 on prompt + response tokens
+    response_mask: torch.Tensor  # [B, T] bool
+    advantages: torch.Tensor | None = None  # [B] float
+    weights: torch.Tensor | None = None  # [B] float
+    old_logp: torch.Tensor | None = None  # [B, T] float
+    ref_logp: torch.Tensor | None = None  # [B, T] float
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Number of tokens that receive loss (the token-mean denominator)."""
+        return int(self.response_mask.sum())
+
+    def micro_batch(self, start: int, stop: int) -> TrainBatch:
+        """Rows ``start:stop``, with trailing columns that are padding in every row cut off.
+
+        Cutting right padding never changes a result (attention is causal and padding is masked),
+        and it keeps micro-batches of short sequences cheap.
+        """
+        rows = slice(start, stop)
+        width = int(self.attention_mask[rows].sum(dim=1).max())
+        cols = slice(0, max(width, 1))
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                out[f.name] = None
+            elif value.dim() == 1:
+                out[f.name] = value[rows]
+            else:
+                out[f.name] = value[rows, cols]
+        return TrainBatch(**out)
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """A copy with every tensor moved to ``device``."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
+        return replace(self, **moved)
+
+
+def build_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    pad_id: int,
+    loss_masks: list[list[bool]] | None = None,
+) -> TrainBatch:
+    """Pack prompt/response token ids into a right-padded `TrainBatch`.
+
+    ``loss_masks[i]`` (one flag per response token) drops response tokens from the loss, e.g. the
+    junior's tokens in a Tandem rollout; by default every response token gets loss.
+    """
+    if not prompts:
+        raise ValueError("empty batch")
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if loss_masks is not None and len(loss_masks) != len(responses):
+        raise ValueError(f"{len(loss_masks)} loss masks but {len(responses)} responses")
+    if any(len(p) == 0 for p in prompts):
+        # Position 0 has no prediction, so a response needs at least one prompt token before it.
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    n = len(prompts)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    response_mask = torch.zeros((n, width), dtype=torch.bool)
+    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        p, r = len(prompt), len(response)
+        input_ids[i, : p + r] = torch.tensor(prompt + response, dtype=torch.long)
+        attention_mask[i, : p + r] = 1
+        if loss_masks is None:
+            response_mask[i, p : p + r] = True
+        else:
+            if len(loss_masks[i]) != r:
+                raise ValueError(
+                    f"loss mask {i} has {len(loss_masks[i])} flags for {r} response tokens"
+                )
+            response_mask[i, p : p + r] = torch.tensor(loss_masks[i], dtype=torch.bool)
+    return TrainBatch(
+        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask
+    )
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probs of each token given its prefix: ``[b, t, V], [b, t] -> [b, t]`` float32.
+
+    ``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` from ``logits[:, t - 1]``; ``out[:, 0]``
+    is 0 (no prediction).
+    """
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the distribution predicting each token, aligned like `token_logprobs`: ``[b, t]``."""
+    logits = logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.nn.functional.pad(entropy, (1, 0))
