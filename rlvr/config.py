@@ -64,6 +64,9 @@ class DifficultyConfig(Section):
     max_steps: int = Field(2, ge=1, description="Most arithmetic operations per problem.")
     max_operand: int = Field(20, ge=1, description="Largest operand.")
     operators: str = Field("+-", min_length=1, description="Allowed operators, a subset of '+-*'.")
+    style: Literal["expression", "words", "mixed"] = Field(
+        "expression", description="Plain expressions or word problems."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DifficultyConfig:
@@ -148,8 +151,30 @@ class AlgorithmConfig(Section):
 
 class VerifierConfig(Section):
     kind: Literal["math"] = Field("math", description="Reward function.")
-    num_workers: int = Field(2, gt=0, description="Verifier processes.")
+    num_workers: int = Field(1, gt=0, description="Verifier worker processes per VerifierActor.")
     timeout_s: float = Field(5.0, gt=0.0, description="Hard per-item verification timeout.")
+
+
+class ResourcesConfig(Section):
+    policy_cpus: float = Field(1.0, gt=0.0, description="CPUs reserved for the PolicyActor.")
+    policy_gpus: float = Field(0.0, ge=0.0, description="GPUs for the PolicyActor.")
+    generator_cpus: float = Field(1.0, gt=0.0, description="CPUs reserved for the GeneratorActor.")
+    generator_gpus: float = Field(0.0, ge=0.0, description="GPUs for the GeneratorActor.")
+    num_verifiers: int = Field(2, gt=0, description="VerifierActors in the pool.")
+    verifier_cpus: float = Field(
+        0.0, ge=0.0, description="CPUs reserved per VerifierActor (their work is I/O-light)."
+    )
+    torch_threads: int = Field(
+        0,
+        ge=0,
+        description="Torch threads per model actor (0: all cores; phases run one at a time).",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Placement group strategy for the actors' bundles."
+    )
+
+    def total_cpus(self) -> float:
+        return self.policy_cpus + self.generator_cpus + self.num_verifiers * self.verifier_cpus
 
 
 class RunConfig(Section):
@@ -175,6 +200,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -183,6 +209,15 @@ class Config(Section):
                 "generation.group_size must be >= 2 for GRPO (a group of one has no baseline)"
             )
         return self
+
+    def check_cpus(self, available: float) -> None:
+        """Fail before any actor starts when the actors ask for more CPUs than the cluster has."""
+        need = self.resources.total_cpus()
+        if need > available + 1e-9:
+            raise ConfigError(
+                f"invalid config: resources: the actors need {need:g} CPUs but {available:g} are available; "
+                "lower resources.policy_cpus / generator_cpus / verifier_cpus or num_verifiers"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
