@@ -73,3 +73,10 @@ def test_head_size_rejected_for_vllm(tmp_path):
 def test_not_a_model_dir(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         check_model_for_backend(load_config(), tmp_path)
+
+
+def test_more_actor_cpus_than_available():
+    cfg = load_config(None, ["resources.num_verifiers=4", "resources.verifier_cpus=0.5"])
+    with pytest.raises(ConfigError, match=r"resources: the actors need 4 CPUs but 2 are available"):
+        cfg.check_cpus(2)
+    load_config().check_cpus(2)

@@ -92,7 +92,7 @@ def sft_warmup(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
 
     staging = out.with_name(out.name + ".building")
     shutil.rmtree(staging, ignore_errors=True)

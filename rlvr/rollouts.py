@@ -1,0 +1,95 @@
+"""A step's rollouts as flat arrays, and GRPO shaping of them into a training batch.
+
+Flattening happens once, right after generation; scoring fills `rewards`, shaping computes
+group advantages (over ALL rollouts of each prompt) and builds the padded `TrainBatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlvr.algorithms.grpo import group_advantages
+from rlvr.generation.base import GenerationResult
+from rlvr.training.batch import TrainBatch, build_batch
+
+
+@dataclass
+class Rollouts:
+    """One row per sampled response; `group_ids` is the prompt id the response answers."""
+
+    group_ids: list[str]
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    texts: list[str]
+    golds: list[str]
+    finish_reasons: list[str]
+    flags: list[dict[str, Any]]
+    rewards: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    statuses: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_results(cls, results: list[GenerationResult], golds: dict[str, str]) -> Rollouts:
+        rows: dict[str, list] = {k: [] for k in ("g", "p", "r", "t", "gold", "f", "flags")}
+        for res in results:
+            for s in res.samples:
+                rows["g"].append(res.request_id)
+                rows["p"].append(res.prompt_ids)
+                rows["r"].append(s.token_ids)
+                rows["t"].append(s.text)
+                rows["gold"].append(golds[res.request_id])
+                rows["f"].append(s.finish_reason)
+                rows["flags"].append(s.flags)
+        return cls(
+            rows["g"], rows["p"], rows["r"], rows["t"], rows["gold"], rows["f"], rows["flags"]
+        )
+
+    def __len__(self) -> int:
+        return len(self.group_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(r) for r in self.response_ids]
+
+    def rewards_by_group(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for g, r in zip(self.group_ids, self.rewards, strict=True):
+            out.setdefault(g, []).append(float(r))
+        return out
+
+    def records(self, step: int, limit: int | None = None) -> list[dict[str, Any]]:
+        """Plain dicts for logs and notebooks (prompt ids are omitted; the prompt id names them)."""
+        n = len(self) if limit is None else min(limit, len(self))
+        return [
+            {
+                "step": step,
+                "prompt_id": self.group_ids[i],
+                "response": self.texts[i],
+                "gold": self.golds[i],
+                "reward": float(self.rewards[i]) if len(self.rewards) else None,
+                "status": self.statuses[i] if self.statuses else None,
+                "length": len(self.response_ids[i]),
+                "finish_reason": self.finish_reasons[i],
+            }
+            for i in range(n)
+        ]
+
+
+def shape_grpo(rollouts: Rollouts, cfg: Any, pad_id: int) -> tuple[TrainBatch, dict[str, float]]:
+    """GRPO advantages per prompt group, broadcast to the response tokens of a padded batch."""
+    adv = group_advantages(
+        rollouts.rewards,
+        rollouts.group_ids,
+        scale=cfg.algorithm.advantage_scale,
+        eps=cfg.algorithm.advantage_eps,
+    )
+    batch = build_batch(rollouts.prompt_ids, rollouts.response_ids, pad_id)
+    batch.advantages = torch.as_tensor(np.asarray(adv), dtype=torch.float32)
+    stats = {
+        "advantage_abs_mean": float(np.mean(np.abs(adv))),
+        "nonzero_advantage_frac": float(np.mean(np.abs(adv) > 0)),
+    }
+    return batch, stats

@@ -1,0 +1,324 @@
+"""Durable GRPO training workflow over long-lived actors.
+
+One step is a short sequence of named phases (plan, generate, score, shape, update, sync, observe,
+persist), each one call on a long-lived actor. A step is completed when its checkpoint is committed
+in the run directory; `resume` continues after the last completed step with the same data order,
+sampling seeds, weights, optimizer and controller state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from rlvr.config import Config, ConfigError, check_model_for_backend, config_from_dict
+from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.metrics import group_stats, rollout_stats
+from rlvr.models import cache_dir, resolve_model_path
+from rlvr.models.sft import sft_warmup
+from rlvr.rollouts import Rollouts, shape_grpo
+from rlvr.rundir import RunDir, atomic_write_text
+from rlvr.tasks import load_task
+from rlvr.tasks.base import Problem
+from rlvr.tasks.prompts import render_prompt
+from rlvr.tasks.sampler import PromptSampler
+from workflows.components import Components, start_components
+
+log = logging.getLogger(__name__)
+
+EVAL_SEED = 1234
+
+
+def sampling_seed(run_seed: int, step: int) -> int:
+    """Per-step sampling seed: a resumed step samples exactly what the uninterrupted one did."""
+    return (run_seed * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+@dataclass
+class Trainer:
+    """Drives the step loop for one run directory."""
+
+    cfg: Config
+    run: RunDir
+    comps: Components
+    tokenizer: Any
+    train_problems: list[Problem]
+    test_problems: list[Problem]
+
+    def __post_init__(self) -> None:
+        self.sampler = PromptSampler(
+            self.train_problems, self.cfg.generation.prompts_per_step, self.cfg.run.seed
+        )
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        if problem.id not in self._prompt_cache:
+            self._prompt_cache[problem.id] = render_prompt(
+                self.tokenizer, problem, self.cfg.task.instruction
+            )
+        return self._prompt_cache[problem.id]
+
+    # --- phases ---------------------------------------------------------------------------------
+    def generate(
+        self, problems: list[Problem], n: dict[str, int], params: SamplingParams, step: int
+    ) -> Rollouts:
+        requests = [
+            GenerationRequest(self.prompt_ids(p), n=n[p.id], request_id=p.id) for p in problems
+        ]
+        results = self.comps.generator.run("generate", requests, params, step=step)
+        return Rollouts.from_results(results, {p.id: p.answer for p in problems})
+
+    def score(self, rollouts: Rollouts) -> None:
+        scored = self.comps.verifier.score(rollouts.texts, rollouts.golds)
+        rollouts.rewards = np.array([r for r, _ in scored], dtype=np.float64)
+        rollouts.statuses = [s for _, s in scored]
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Held-out mean@k accuracy and mean response length."""
+        g = self.cfg.generation
+        params = SamplingParams(
+            temperature=g.eval_temperature, top_p=1.0, max_tokens=g.max_tokens, seed=EVAL_SEED
+        )
+        k = g.eval_samples
+        t0 = time.perf_counter()
+        rollouts = self.generate(
+            self.test_problems, {p.id: k for p in self.test_problems}, params, step
+        )
+        self.score(rollouts)
+        record = {
+            "step": step,
+            "eval_accuracy": float(np.mean(rollouts.rewards >= 1.0)),
+            "eval_reward": float(np.mean(rollouts.rewards)),
+            "eval_length_mean": float(np.mean(rollouts.lengths)),
+            "eval_problems": len(self.test_problems),
+            "eval_samples": k,
+            "eval_seconds": time.perf_counter() - t0,
+        }
+        self.run.append_eval(record)
+        return record
+
+    def step(self, step: int) -> dict[str, Any]:
+        """Run one training step and return its metrics (not yet persisted)."""
+        cfg, comps = self.cfg, self.comps
+        times: dict[str, float] = {}
+        t_start = time.perf_counter()
+        problems = self.sampler.batch(step)
+
+        plan = comps.controller.run("plan_step", step, [p.id for p in problems], step=step)
+        params = SamplingParams(
+            temperature=cfg.generation.temperature,
+            top_p=cfg.generation.top_p,
+            max_tokens=cfg.generation.max_tokens,
+            seed=sampling_seed(cfg.run.seed, step),
+        )
+        t = time.perf_counter()
+        rollouts = self.generate(problems, plan["n"], params, step)
+        times["time_generate"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.score(rollouts)
+        times["time_verify"] = time.perf_counter() - t
+
+        batch, shape_stats = shape_grpo(rollouts, cfg, pad_id=self.tokenizer.pad_token_id)
+
+        t = time.perf_counter()
+        train_stats = comps.policy.run("train_step", batch, step=step)
+        times["time_train"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self.sync_weights(step)
+        times["time_sync"] = time.perf_counter() - t
+
+        metrics: dict[str, Any] = {"step": step, "epoch": self.sampler.epoch_of(step)}
+        metrics.update(rollout_stats(rollouts.rewards, rollouts.lengths, rollouts.finish_reasons))
+        metrics.update(group_stats(rollouts.rewards, rollouts.group_ids))
+        metrics.update(shape_stats)
+        metrics.update({f"train_{k}": v for k, v in train_stats.items()})
+        total = time.perf_counter() - t_start
+        metrics.update(times)
+        metrics["time_step"] = total
+        metrics["time_overhead"] = total - sum(times.values())
+        metrics["tokens_per_s"] = metrics["tokens_generated"] / max(times["time_generate"], 1e-9)
+
+        comps.controller.run(
+            "observe_step",
+            step,
+            rollouts.rewards_by_group(),
+            _json_safe(metrics),
+            rollouts.records(step, limit=cfg.generation.prompts_per_step * 2),
+            step=step,
+        )
+        self._last_rollouts = rollouts
+        return metrics
+
+    def sync_weights(self, step: int | None = None) -> None:
+        """Push the policy's current weights into the generator without restarting the engine."""
+        weights = self.comps.policy.call("export_weights")
+        self.comps.generator.run("update_weights", weights, step=step)
+
+    def persist(self, step: int, metrics: dict[str, Any], best_step: int | None) -> None:
+        """Commit step `step`: policy + optimizer state, controller state, then the metrics line."""
+        with self.run.writing_checkpoint(step) as d:
+            self.comps.policy.run("save_state", str(d / "policy"), step=step)
+            state = self.comps.controller.run("state_dict", step=step)
+            atomic_write_text(d / "controller.json", json.dumps(state))
+            atomic_write_text(
+                d / "progress.json", json.dumps({"step": step, "best_step": best_step})
+            )
+        self.run.append_metrics(_json_safe(metrics))
+        self.run.append_rollouts(self._last_rollouts.records(step))
+        self.run.prune(self.cfg.run.keep_last, keep={best_step} if best_step is not None else set())
+
+    def restore(self, step: int) -> int | None:
+        """Load the committed state of step `step`; returns the best step recorded there."""
+        d = self.run.step_dir(step)
+        self.comps.policy.run("load_state", str(d / "policy"))
+        self.comps.controller.run(
+            "load_state_dict", json.loads((d / "controller.json").read_text())
+        )
+        return json.loads((d / "progress.json").read_text())["best_step"]
+
+
+def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, np.generic):
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None
+        out[k] = v
+    return out
+
+
+def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
+    """Everything that can fail on bad input, done before any actor starts."""
+    try:
+        model_dir = resolve_model_path(cfg.model.path, seed=cfg.model.seed)
+    except FileNotFoundError as err:
+        raise ConfigError(f"invalid config: model.path: {err}") from None
+    check_model_for_backend(cfg, model_dir)
+    try:
+        train_problems, test_problems = load_task(cfg.task)
+    except ValueError as err:
+        raise ConfigError(f"invalid config: task: {err}") from None
+    if not train_problems:
+        raise ConfigError("invalid config: task: the training set is empty")
+    if not test_problems:
+        raise ConfigError("invalid config: task: the held-out set is empty")
+    if cfg.model.sft_warmup_steps:
+        out = cache_dir() / "models" / f"{model_dir.name}-sft{cfg.model.sft_warmup_steps}"
+        model_dir = sft_warmup(
+            model_dir,
+            train_problems,
+            out,
+            steps=cfg.model.sft_warmup_steps,
+            instruction=cfg.task.instruction,
+        )
+    return model_dir, train_problems, test_problems
+
+
+def train(
+    cfg: Config,
+    run_path: Path,
+    resume: bool = False,
+    use_actors: bool = True,
+    prepared: tuple[Path, list[Problem], list[Problem]] | None = None,
+) -> dict[str, Any]:
+    """Train (or resume) the run at `run_path`; returns the final summary.
+
+    `prepared` is `prepare(cfg)`'s result when the caller validated the inputs before Ray started.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers import AutoTokenizer
+
+    run = RunDir(run_path)
+    model_dir, train_problems, test_problems = prepared or prepare(cfg)
+    if not resume:
+        if run.completed_steps():
+            raise ConfigError(f"{run_path} already holds a run; use --resume or another run.name")
+        run.create(cfg.to_dict())
+
+    last = run.last_completed_step() if resume else None
+    start = 0 if last is None else last + 1
+    run.truncate_logs_after(last if last is not None else -1)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    comps = start_components(cfg, model_dir, use_actors=use_actors)
+    trainer = Trainer(cfg, run, comps, tokenizer, train_problems, test_problems)
+    writer = SummaryWriter(str(run.tb_dir), purge_step=start)
+    try:
+        best_step, best_acc = None, -1.0
+        if last is not None:
+            best_step = trainer.restore(last)
+            trainer.sync_weights()
+            evals = {r["step"]: r["eval_accuracy"] for r in run.read_eval()}
+            best_acc = evals.get(best_step, -1.0) if best_step is not None else -1.0
+        else:
+            before = trainer.evaluate(step=-1)
+            _log_scalars(writer, before, -1)
+        bar = tqdm(
+            range(start, cfg.run.steps),
+            initial=start,
+            total=cfg.run.steps,
+            desc=cfg.run.name,
+            unit="step",
+        )
+        for step in bar:
+            metrics = trainer.step(step)
+            is_last = step == cfg.run.steps - 1
+            if is_last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
+                ev = trainer.evaluate(step)
+                metrics.update(ev)
+                if ev["eval_accuracy"] > best_acc:
+                    best_acc, best_step = ev["eval_accuracy"], step
+            trainer.persist(step, metrics, best_step)
+            _log_scalars(writer, metrics, step)
+            bar.set_postfix(
+                reward=f"{metrics['reward_mean']:.3f}",
+                acc=f"{metrics['accuracy']:.3f}",
+                tok_s=f"{metrics['tokens_per_s']:.0f}",
+            )
+        comps.policy.run("save_model", str(run.final_model))
+        tokenizer.save_pretrained(run.final_model)
+        evals = run.read_eval()
+        summary = {
+            "run_dir": str(run_path),
+            "steps": cfg.run.steps,
+            "eval_before": next((e for e in evals if e["step"] == -1), None),
+            "eval_after": evals[-1] if evals else None,
+            "best_step": best_step,
+            "final_model": str(run.final_model),
+        }
+        atomic_write_text(run.path / "summary.json", json.dumps(summary, indent=2))
+        return summary
+    finally:
+        writer.close()
+        comps.shutdown()
+
+
+def _log_scalars(writer: Any, metrics: dict[str, Any], step: int) -> None:
+    for k, v in metrics.items():
+        if (
+            k != "step"
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+        ):
+            writer.add_scalar(k, v, step)
+
+
+def load_run_config(run_path: Path) -> Config:
+    return config_from_dict(RunDir(run_path).load_config_dict())
+
+
+def run_path_for(cfg: Config) -> Path:
+    return Path(os.path.expanduser(cfg.run.output_dir)) / cfg.run.name
