@@ -41,6 +41,11 @@ def init_distributed() -> None:
     backend (nccl).
     """
     if dist.is_initialized():
+        # Another component of this process (e.g. an in-process vLLM engine) already set up a group;
+        # DeepSpeed reuses it but still insists on the launcher's rank variables.
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
         return
     if "MASTER_PORT" not in os.environ:
         with socket.socket() as s:

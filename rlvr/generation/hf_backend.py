@@ -1,0 +1,254 @@
+"""transformers generation backend: the fallback engine and the reference the vLLM backend is tested against.
+
+A manual sampling loop over a left-padded batch with a KV cache, sampling exactly like vLLM's
+(temperature, then top-p, per-sample seeded generators), with the same stop-rule hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
+
+from rlvr.generation.base import (
+    GenerationRequest,
+    GenerationResult,
+    Sample,
+    SamplingParams,
+    StopRuleFactory,
+)
+from rlvr.generation.stop_rules import StopRuleTracker
+
+GREEDY_EPS = 1e-5
+"""Temperatures below this decode greedily (vLLM's threshold)."""
+
+_DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probs of the distribution a token is sampled from: [batch, vocab] -> [batch, vocab].
+
+    Temperature scales the logits, then top-p keeps the smallest set of most likely tokens whose
+    mass reaches top_p (tokens are dropped while the mass of everything below them stays <= 1 - top_p,
+    never the most likely one), as vLLM does. Greedy decoding reports the raw distribution.
+    """
+    logits = logits.float()
+    if temperature < GREEDY_EPS:
+        return torch.log_softmax(logits, dim=-1)
+    logits = logits / temperature
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        mass_below_and_at = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = mass_below_and_at <= 1.0 - top_p
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return torch.log_softmax(logits, dim=-1)
+
+
+def hf_weight_names(config: PretrainedConfig) -> tuple[set[str], set[str]]:
+    """(required, allowed) HF parameter names of the model `config` describes.
+
+    Required: the model's named_parameters() (tied weights once); allowed adds their aliases as they
+    appear in state_dict() (e.g. lm_head.weight with tied embeddings). Built on the meta device, so
+    it costs no memory.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    required = {name for name, _ in model.named_parameters()}
+    return required, required | set(model.state_dict())
+
+
+def check_weight_names(names: Iterable[str], required: set[str], allowed: set[str]) -> None:
+    """Raise ValueError unless `names` covers `required` and stays within `allowed`."""
+    given = set(names)
+    missing = sorted(required - given)
+    unknown = sorted(given - allowed)
+    if missing or unknown:
+        raise ValueError(
+            f"weight names do not match the model: missing {missing}, unknown {unknown}"
+        )
+
+
+class HFBackend:
+    """`GenerationBackend` over a transformers causal LM (`device` "cpu" or "cuda").
+
+    Samples are generated in batches of at most `max_batch_size`; a sample that ends (EOS, its
+    stop rule, or max_tokens) leaves the batch and its KV cache rows are dropped. Seeds, log-probs,
+    finish reasons and stop rules follow `VLLMBackend`'s conventions, so the two are interchangeable.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_batch_size: int = 64,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        self.model_path = Path(model_path)
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[dtype])
+        self.model.to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.eos_token_id: int = self.tokenizer.eos_token_id
+        # vLLM stops on the tokenizer's EOS and on every EOS of the generation config.
+        generation_eos = self.model.generation_config.eos_token_id
+        if generation_eos is None:
+            generation_eos = []
+        elif isinstance(generation_eos, int):
+            generation_eos = [generation_eos]
+        self.stop_token_ids = {self.eos_token_id, *generation_eos}
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id: int = self.eos_token_id if pad is None else pad
+        self._required_names, self._allowed_names = hf_weight_names(self.model.config)
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        stop_rule_factory: StopRuleFactory | None = None,
+    ) -> list[GenerationResult]:
+        """Sample `n` responses per request (sample j seeded params.seed + j)."""
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        jobs: list[tuple[list[int], int | None, StopRuleTracker | None]] = []
+        for i, request in enumerate(requests):
+            if request.n < 0:
+                raise ValueError(f"request {request.request_id!r}: n must be >= 0, got {request.n}")
+            for j in range(request.n):
+                tracker = None
+                if stop_rule_factory is not None:
+                    tracker = StopRuleTracker(stop_rule_factory(i, j), self.eos_token_id)
+                seed = None if params.seed is None else params.seed + j
+                jobs.append((list(request.prompt_ids), seed, tracker))
+        samples: list[Sample] = []
+        for start in range(0, len(jobs), self.max_batch_size):
+            samples.extend(self._generate_batch(jobs[start : start + self.max_batch_size], params))
+        results = []
+        flat = iter(samples)
+        for request in requests:
+            results.append(
+                GenerationResult(
+                    request_id=request.request_id,
+                    prompt_ids=list(request.prompt_ids),
+                    samples=[next(flat) for _ in range(request.n)],
+                )
+            )
+        return results
+
+    @torch.inference_mode()
+    def _generate_batch(
+        self,
+        jobs: list[tuple[list[int], int | None, StopRuleTracker | None]],
+        params: SamplingParams,
+    ) -> list[Sample]:
+        n = len(jobs)
+        width = max(len(prompt) for prompt, _, _ in jobs)
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((n, width), dtype=torch.long)
+        for row, (prompt, _, _) in enumerate(jobs):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        input_ids = input_ids.to(self.device)
+        attention_mask = attention_mask.to(self.device)
+        # Left padding shifts the prompts; positions must count real tokens only.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        generators = [
+            None if seed is None else torch.Generator(self.device).manual_seed(seed)
+            for _, seed, _ in jobs
+        ]
+        responses: list[list[int]] = [[] for _ in jobs]
+        logprobs: list[list[float]] = [[] for _ in jobs]
+        finish: list[str] = ["length"] * n
+        active = list(range(n))
+        cache = DynamicCache(config=self.model.config)
+        step_ids, step_positions = input_ids, position_ids
+        while active:
+            logits = self.model(
+                input_ids=step_ids,
+                attention_mask=attention_mask,
+                position_ids=step_positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1, :]
+            logits = logits.float()
+            for row, job in enumerate(active):
+                tracker = jobs[job][2]
+                if tracker is not None and tracker.observe(responses[job]):
+                    logits[row] = float("-inf")
+                    logits[row, self.eos_token_id] = 0.0
+            step_logprobs = processed_logprobs(logits, params.temperature, params.top_p)
+            tokens = self._sample(
+                step_logprobs, params.temperature, [generators[j] for j in active]
+            )
+            chosen = step_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            keep: list[int] = []
+            for row, (job, token, logprob) in enumerate(
+                zip(active, tokens.tolist(), chosen, strict=True)
+            ):
+                responses[job].append(token)
+                logprobs[job].append(logprob)
+                if token in self.stop_token_ids:
+                    finish[job] = "stop"
+                elif len(responses[job]) < params.max_tokens:
+                    keep.append(row)
+            if len(keep) < len(active):
+                if not keep:
+                    break
+                rows = torch.tensor(keep, device=self.device)
+                cache.reorder_cache(rows)
+                attention_mask = attention_mask[rows]
+                step_positions = step_positions[rows]
+                tokens = tokens[rows]
+                active = [active[row] for row in keep]
+            attention_mask = torch.cat(
+                [attention_mask, attention_mask.new_ones((len(active), 1))], dim=1
+            )
+            step_positions = step_positions[:, -1:] + 1
+            step_ids = tokens.unsqueeze(1)
+        return [
+            Sample(
+                token_ids=responses[job],
+                text=self.tokenizer.decode(responses[job], skip_special_tokens=True),
+                logprobs=logprobs[job],
+                finish_reason=finish[job],
+                flags=jobs[job][2].flags() if jobs[job][2] is not None else {},
+            )
+            for job in range(n)
+        ]
+
+    @staticmethod
+    def _sample(
+        logprobs: torch.Tensor, temperature: float, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """One token per row from [rows, vocab] log-probs; greedy below GREEDY_EPS."""
+        if temperature < GREEDY_EPS:
+            return logprobs.argmax(dim=-1)
+        probs = logprobs.exp()
+        tokens = torch.empty(len(generators), dtype=torch.long, device=logprobs.device)
+        unseeded = [row for row, g in enumerate(generators) if g is None]
+        if unseeded:
+            tokens[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                tokens[row] = torch.multinomial(probs[row], 1, generator=generator).squeeze(0)
+        return tokens
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights into the model in place; names must be exactly the HF parameter names
+        (tied aliases such as lm_head.weight optional)."""
+        state = dict(named_tensors)
+        check_weight_names(state, self._required_names, self._allowed_names)
+        # strict=False only because a tied alias may be absent; check_weight_names did the strict part.
+        self.model.load_state_dict(state, strict=False)
+
+    def close(self) -> None:
+        """Drop the model so its memory can be freed."""
+        self.model = None

