@@ -36,6 +36,7 @@ from workflows.components import Components, start_components
 log = logging.getLogger(__name__)
 
 EVAL_SEED = 1234
+REQUEST_SEED_STRIDE = 10_007
 
 
 def sampling_seed(run_seed: int, step: int) -> int:
@@ -71,8 +72,13 @@ class Trainer:
     def generate(
         self, problems: list[Problem], n: dict[str, int], params: SamplingParams, step: int
     ) -> Rollouts:
+        base = params.seed if params.seed is not None else 0
+        # each prompt its own seed stream: sample j of prompt i draws from base + STRIDE * i + j
         requests = [
-            GenerationRequest(self.prompt_ids(p), n=n[p.id], request_id=p.id) for p in problems
+            GenerationRequest(
+                self.prompt_ids(p), n=n[p.id], request_id=p.id, seed=base + REQUEST_SEED_STRIDE * i
+            )
+            for i, p in enumerate(problems)
         ]
         results = self.comps.generator.run("generate", requests, params, step=step)
         return Rollouts.from_results(results, {p.id: p.answer for p in problems})

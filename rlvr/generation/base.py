@@ -21,7 +21,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 256
     seed: int | None = None
-    """Base seed; sample j of a request draws from seed + j so samples are independent and replayable."""
+    """Default base seed of every request; sample j draws from seed + j (see `sample_seed`)."""
 
 
 @runtime_checkable
@@ -51,6 +51,16 @@ class GenerationRequest:
     prompt_ids: list[int]
     n: int = 1
     request_id: str = ""
+    seed: int | None = None
+    """This request's base seed; set it per request so different prompts draw independent streams."""
+
+
+def sample_seed(
+    request: GenerationRequest, params: SamplingParams, sample_index: int
+) -> int | None:
+    """Seed of one sample: the request's base seed (else the params' one) plus the sample index."""
+    base = request.seed if request.seed is not None else params.seed
+    return None if base is None else (base + sample_index) % 2**63
 
 
 @dataclass

@@ -18,6 +18,7 @@ from rlvr.generation.base import (
     Sample,
     SamplingParams,
     StopRuleFactory,
+    sample_seed,
 )
 from rlvr.generation.stop_rules import StopRuleTracker
 
@@ -125,7 +126,7 @@ class HFBackend:
                 tracker = None
                 if stop_rule_factory is not None:
                     tracker = StopRuleTracker(stop_rule_factory(i, j), self.eos_token_id)
-                seed = None if params.seed is None else params.seed + j
+                seed = sample_seed(request, params, j)
                 jobs.append((list(request.prompt_ids), seed, tracker))
         samples: list[Sample] = []
         for start in range(0, len(jobs), self.max_batch_size):

@@ -23,6 +23,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     UnquantizedEmbeddingMethod,
     VocabParallelEmbedding,
 )
+from vllm.platforms import current_platform
 from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
@@ -32,6 +33,7 @@ from rlvr.generation.base import (
     Sample,
     SamplingParams,
     StopRuleFactory,
+    sample_seed,
 )
 from rlvr.generation.hf_backend import check_weight_names, hf_weight_names
 from rlvr.generation.stop_rules import StopRuleTracker
@@ -174,6 +176,11 @@ class VLLMBackend:
         self.model_path = Path(model_path)
         if kv_cache_gib is not None:
             engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if current_platform.is_cpu():
+            # A partially prefilled request samples a token that vLLM then discards by rewinding
+            # the request's seeded generator; CPU generators cannot rewind ("CPU Generator does not
+            # use offset"), so seeded sampling crashes once prompts are chunked. Whole prompts only.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
         self._llm: LLM | None = LLM(
             str(self.model_path),
             dtype=dtype,
@@ -237,7 +244,7 @@ class VLLMBackend:
                         temperature=params.temperature,
                         top_p=params.top_p,
                         max_tokens=params.max_tokens,
-                        seed=None if params.seed is None else params.seed + j,
+                        seed=sample_seed(request, params, j),
                         logprobs=0,
                         detokenize=False,
                         extra_args=extra_args,

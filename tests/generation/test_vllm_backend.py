@@ -215,3 +215,23 @@ def test_load_weights_matches_a_fresh_engine_on_saved_weights(engine, hf, tiny_m
     hf.load_weights(original.items())
     with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
         engine.load_weights((n, t) for n, t in original.items() if n != "model.norm.weight")
+
+
+def test_seeded_sampling_survives_prompts_beyond_one_step_budget(engine):
+    """More prompt tokens than one engine step takes: seeded requests must not crash on CPU."""
+    long_prompt = (PROMPTS[0] * 40)[:200]
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    n_requests = budget // len(long_prompt) + 8
+    requests = [GenerationRequest(long_prompt, n=1, seed=1000 + i) for i in range(n_requests)]
+    results = engine.generate(requests, SamplingParams(temperature=1.0, max_tokens=2))
+    assert len(results) == n_requests
+    again = engine.generate(requests[:3], SamplingParams(temperature=1.0, max_tokens=2))
+    assert [r.samples[0].token_ids for r in again] == [r.samples[0].token_ids for r in results[:3]]
+
+
+def test_request_seed_overrides_params_seed(engine):
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=7)
+    same = engine.generate([GenerationRequest(PROMPTS[0], seed=123)] * 2, params)
+    other = engine.generate([GenerationRequest(PROMPTS[0], seed=124)], params)
+    assert same[0].samples[0].token_ids == same[1].samples[0].token_ids
+    assert same[0].samples[0].token_ids != other[0].samples[0].token_ids
