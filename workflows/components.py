@@ -73,7 +73,13 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         "dtype": cfg.model.dtype,
     }
     if g.backend == "vllm":
-        kw.update(max_model_len=g.max_model_len, kv_cache_gib=g.kv_cache_gib, seed=cfg.run.seed)
+        kw.update(
+            max_model_len=g.max_model_len,
+            kv_cache_gib=g.kv_cache_gib,
+            seed=cfg.run.seed,
+            cpu_threads=torch_threads(cfg),
+            enforce_eager=g.enforce_eager,
+        )
     kw["threads"] = torch_threads(cfg)
     return kw
 

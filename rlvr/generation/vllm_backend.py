@@ -164,15 +164,22 @@ class VLLMBackend:
         kv_cache_gib: float | None = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        cpu_threads: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine on an HF-format directory.
 
         kv_cache_gib fixes the KV cache size (vLLM's kv_cache_memory_bytes, which is what
         VLLM_CPU_KVCACHE_SPACE sets on CPU); None lets vLLM size it (gpu_memory_utilization on
-        GPUs). engine_kwargs go to `vllm.LLM` unchanged (e.g. tensor_parallel_size, max_num_seqs).
+        GPUs). cpu_threads caps the cores vLLM's CPU kernels bind to (default: all of this
+        process's cores). engine_kwargs go to `vllm.LLM` unchanged (e.g. tensor_parallel_size, max_num_seqs).
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM's automatic binding keeps one core free for a separate scheduler process; the
+            # engine core runs in this process, so bind the compute threads to all given cores.
+            cores = sorted(os.sched_getaffinity(0))[: cpu_threads or None]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
         self.model_path = Path(model_path)
         if kv_cache_gib is not None:
             engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)

@@ -40,7 +40,9 @@ def test_grpo_update_with_vllm_samples_and_verifier_rewards(warm_model):
             for p in batch_problems
         ]
         params = SamplingParams(temperature=1.0, max_tokens=32, seed=11)
-        rollouts = Rollouts.from_results(engine.generate(requests, params), {p.id: p.answer for p in batch_problems})
+        rollouts = Rollouts.from_results(
+            engine.generate(requests, params), {p.id: p.answer for p in batch_problems}
+        )
         with MathVerifier(num_workers=1, timeout=5.0) as verifier:
             scored = verifier.verify_batch(rollouts.texts, rollouts.golds)
         rollouts.rewards = np.array([r for r, _ in scored])
@@ -66,9 +68,15 @@ def test_grpo_update_with_vllm_samples_and_verifier_rewards(warm_model):
         ref.load_state_dict(weights, strict=False)
         for req, res in zip(requests[:2], out, strict=True):
             ids = torch.tensor([req.prompt_ids])
-            gen = ref.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id)
+            gen = ref.generate(
+                ids, max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id
+            )
             hf_tokens = gen[0, len(req.prompt_ids) :].tolist()
-            hf_tokens = hf_tokens[: hf_tokens.index(tok.eos_token_id) + 1] if tok.eos_token_id in hf_tokens else hf_tokens
+            hf_tokens = (
+                hf_tokens[: hf_tokens.index(tok.eos_token_id) + 1]
+                if tok.eos_token_id in hf_tokens
+                else hf_tokens
+            )
             assert res.samples[0].token_ids == hf_tokens
     finally:
         engine.close()

@@ -1,0 +1,106 @@
+"""Median GRPO step time, its split, and the overhead of the actor layer.
+
+The same step code (`workflows.train.Trainer.step`) runs through Ray actors and with the same
+backends called in this process; the two run alternately, step by step, so both see the same
+machine load. Overhead = (actor step - in-process step) / actor step, on medians.
+
+    .venv/bin/python bench/step_breakdown.py --preset tiny --steps 6
+    .venv/bin/python bench/step_breakdown.py --preset smollm2 --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = {
+    "tiny": ROOT / "configs" / "tiny.yaml",
+    "smollm2": ROOT / "configs" / "smollm2-arith.yaml",
+}
+PARTS = ("time_generate", "time_verify", "time_train", "time_sync", "time_overhead", "time_step")
+
+
+def run(preset: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, dict[str, float]]:
+    import ray
+    from transformers import AutoTokenizer
+
+    from rlvr.config import load_config
+    from rlvr.rundir import RunDir
+    from workflows.cli import init_ray
+    from workflows.components import start_components
+    from workflows.train import Trainer, prepare
+
+    cfg = load_config(PRESETS[preset], ["run.eval_every=0", *overrides])
+    model_dir, train_problems, test_problems = prepare(cfg)
+    init_ray(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("actors", "in-process"):
+            run_dir = RunDir(Path(tmp) / mode)
+            run_dir.create(cfg.to_dict())
+            comps = start_components(cfg, model_dir, use_actors=mode == "actors")
+            trainers[mode] = Trainer(cfg, run_dir, comps, tokenizer, train_problems, test_problems)
+        samples: dict[str, list[dict]] = {m: [] for m in trainers}
+        for step in range(warmup + steps):
+            for mode, trainer in trainers.items():
+                metrics = trainer.step(step)
+                if step >= warmup:
+                    samples[mode].append(metrics)
+        for trainer in trainers.values():
+            trainer.comps.shutdown()
+    ray.shutdown()
+    return {
+        mode: {p: statistics.median(m[p] for m in ms) for p in (*PARTS, "tokens_generated")}
+        for mode, ms in samples.items()
+    }
+
+
+def format_table(preset: str, result: dict[str, dict[str, float]]) -> str:
+    head = (
+        f"{'model':8s} {'mode':11s} "
+        + " ".join(f"{p.removeprefix('time_'):>9s}" for p in PARTS)
+        + "   tokens"
+    )
+    lines = [head]
+    for mode, r in result.items():
+        lines.append(
+            f"{preset:8s} {mode:11s} "
+            + " ".join(f"{r[p]:9.2f}" for p in PARTS)
+            + f" {r['tokens_generated']:8.0f}"
+        )
+    a, b = result["actors"]["time_step"], result["in-process"]["time_step"]
+    lines.append(
+        f"{preset:8s} actor overhead: {a - b:+.2f} s per step = {100 * (a - b) / a:+.1f}% of the actor step"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps per mode (median)")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured first steps per mode")
+    ap.add_argument("--set", action="append", default=[], help="config override")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="where the JSON result goes")
+    args = ap.parse_args()
+    result = run(args.preset, args.steps, args.warmup, args.set)
+    table = format_table(args.preset, result)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"step_breakdown_{args.preset}.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
