@@ -62,7 +62,10 @@ class Rollouts:
 
     def records(self, step: int, limit: int | None = None) -> list[dict[str, Any]]:
         """Plain dicts for logs and notebooks (prompt ids are omitted; the prompt id names them)."""
-        n = len(self) if limit is None else min(limit, len(self))
+        if limit is None or limit >= len(self):
+            rows = range(len(self))
+        else:  # spread over the step's groups rather than the first few prompts
+            rows = np.linspace(0, len(self) - 1, limit).round().astype(int).tolist()
         return [
             {
                 "step": step,
@@ -74,7 +77,7 @@ class Rollouts:
                 "length": len(self.response_ids[i]),
                 "finish_reason": self.finish_reasons[i],
             }
-            for i in range(n)
+            for i in rows
         ]
 
 

@@ -8,20 +8,18 @@ import torch
 
 from rlvr.config import load_config
 from rlvr.generation.base import GenerationRequest, SamplingParams
-from rlvr.models.sft import sft_warmup
-from rlvr.models.tiny import build_tiny_model
 from rlvr.rollouts import Rollouts, shape_grpo
-from rlvr.tasks import ArithmeticTask
 from rlvr.tasks.prompts import render_prompt
 from rlvr.verifiers.math import MathVerifier
+from workflows.train import prepare
 
 
 @pytest.fixture(scope="module")
-def warm_model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo")
-    base = build_tiny_model(root / "tiny", seed=0)
-    problems = ArithmeticTask(seed=0).problems("train", 200)
-    return sft_warmup(base, problems, root / "sft", steps=60), problems
+def warm_model(tiny_config):
+    """The tiny preset's SFT-warmed model (built once per machine, shared with the other tests)."""
+    cfg = load_config(tiny_config)
+    model_dir, train_problems, _ = prepare(cfg)
+    return model_dir, train_problems
 
 
 def test_grpo_update_with_vllm_samples_and_verifier_rewards(warm_model):
@@ -34,10 +32,12 @@ def test_grpo_update_with_vllm_samples_and_verifier_rewards(warm_model):
     trainer = PolicyTrainer(model_dir, zero_stage=2, lr=1e-3, micro_batch_size=16, seed=0)
     try:
         tok = trainer.tokenizer
-        batch_problems = problems[:6]
+        batch_problems = problems[:8]
         requests = [
-            GenerationRequest(render_prompt(tok, p, cfg.task.instruction), n=4, request_id=p.id)
-            for p in batch_problems
+            GenerationRequest(
+                render_prompt(tok, p, cfg.task.instruction), n=8, request_id=p.id, seed=100 * i
+            )
+            for i, p in enumerate(batch_problems)
         ]
         params = SamplingParams(temperature=1.0, max_tokens=32, seed=11)
         rollouts = Rollouts.from_results(
@@ -46,10 +46,13 @@ def test_grpo_update_with_vllm_samples_and_verifier_rewards(warm_model):
         with MathVerifier(num_workers=1, timeout=5.0) as verifier:
             scored = verifier.verify_batch(rollouts.texts, rollouts.golds)
         rollouts.rewards = np.array([r for r, _ in scored])
-        assert len(rollouts) == 24
+        assert len(rollouts) == 64
         assert {s for _, s in scored} <= {"correct", "wrong", "no_answer"}
 
         batch, stats = shape_grpo(rollouts, cfg, pad_id=tok.pad_token_id)
+        assert stats["nonzero_advantage_frac"] > 0, (
+            "some group must hold both solved and failed samples"
+        )
         before = trainer.logprobs(batch)
         metrics = trainer.train_step(batch)
         after = trainer.logprobs(batch)

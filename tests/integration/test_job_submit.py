@@ -32,17 +32,34 @@ def test_job_submit_to_local_head(tmp_path):
     env.pop("RAY_ADDRESS", None)
     gcs_port, dash_port = _free_port(), _free_port()
     head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={gcs_port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-         "--num-cpus=2", f"--temp-dir={tmp_path / 'ray'}", "--disable-usage-stats"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash_port}",
+            "--num-cpus=2",
+            f"--temp-dir={tmp_path / 'ray'}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         address = f"http://127.0.0.1:{dash_port}"
         deadline = time.monotonic() + 120
         while True:  # wait for the dashboard's job API
-            probe = subprocess.run([str(BIN / "ray"), "job", "list", "--address", address],
-                                   env=env, capture_output=True, text=True)
+            probe = subprocess.run(
+                [str(BIN / "ray"), "job", "list", "--address", address],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if probe.returncode == 0:
                 break
             assert head.poll() is None, head.stdout.read()
@@ -50,13 +67,32 @@ def test_job_submit_to_local_head(tmp_path):
             time.sleep(2)
         out = tmp_path / "runs"
         job = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(ROOT),
-             "--", "rlvr", "train", "--config", "configs/tiny.yaml",
-             "--set=model.sft_warmup_steps=100", "--set=task.n_train=64", "--set=task.n_test=8",
-             "--set=generation.prompts_per_step=2", "--set=generation.group_size=2",
-             "--set=generation.max_tokens=16", "--set=run.steps=1", "--set=resources.num_verifiers=1",
-             f"--set=run.output_dir={out}", "--set=run.name=job"],
-            env=env, capture_output=True, text=True, timeout=900,
+            [
+                str(BIN / "ray"),
+                "job",
+                "submit",
+                "--address",
+                address,
+                "--working-dir",
+                str(ROOT),
+                "--",
+                "rlvr",
+                "train",
+                "--config",
+                "configs/tiny.yaml",
+                "--set=task.n_test=8",
+                "--set=generation.prompts_per_step=2",
+                "--set=generation.group_size=2",
+                "--set=generation.max_tokens=16",
+                "--set=run.steps=1",
+                "--set=resources.num_verifiers=1",
+                f"--set=run.output_dir={out}",
+                "--set=run.name=job",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
         assert "succeeded" in job.stdout

@@ -1,0 +1,60 @@
+"""notebooks/inspect_run.ipynb runs headless against a finished tiny run and writes its overview PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from rlvr.rundir import RunDir
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = ROOT / "notebooks" / "inspect_run.ipynb"
+
+pytestmark = pytest.mark.ray
+
+
+def _text(cell: nbformat.NotebookNode) -> str:
+    """Everything a code cell printed or displayed as plain text or HTML."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type in ("display_data", "execute_result"):
+            parts.append(out.data.get("text/html", "") + out.data.get("text/plain", ""))
+    return "".join(parts)
+
+
+def test_notebook_inspects_a_finished_run(tiny_run_dir, monkeypatch):
+    run_dir = Path(tiny_run_dir)
+    png = run_dir / "inspect.png"
+    png.unlink(missing_ok=True)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
+        "commit the notebook with its outputs cleared"
+    )
+    monkeypatch.setenv("RLVR_RUN_DIR", str(run_dir))
+
+    # raises CellExecutionError if any cell fails
+    NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=300,
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
+    ).execute()
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = "".join(_text(c) for c in nb.cells if c.cell_type == "code")
+    run = RunDir(run_dir)
+    step = run.last_completed_step()
+    name = run.load_config_dict()["run"]["name"]
+    assert f"run {name!r} in {run_dir}" in out
+    # the training process has exited, so the state comes from its newest checkpoint
+    assert f"the run is not live: state of the checkpoint of step {step}" in out
+    assert f"last applied step {step}," in out
+    kept = json.loads((run.step_dir(step) / "controller.json").read_text())["recent_rollouts"]
+    table = next(c for c in nb.cells if "rollouts_frame(recent)" in c.source)
+    assert kept[-1]["prompt_id"] in _text(table)
