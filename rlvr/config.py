@@ -113,7 +113,9 @@ class GenerationConfig(Section):
     group_size: int = Field(8, gt=0, description="Rollouts per prompt (GRPO group).")
     prompts_per_step: int = Field(8, gt=0, description="Prompts per training step.")
     kv_cache_gib: float = Field(1.0, gt=0.0, description="KV cache size for vLLM on CPU.")
-    enforce_eager: bool = Field(False, description="Skip vLLM's torch.compile: starts faster, decodes slower.")
+    enforce_eager: bool = Field(
+        False, description="Skip vLLM's torch.compile: starts faster, decodes slower."
+    )
     eval_samples: int = Field(1, gt=0, description="Samples per held-out problem (mean@k).")
     eval_temperature: float = Field(0.0, ge=0.0, description="Temperature for held-out evaluation.")
 

@@ -8,14 +8,26 @@ from pathlib import Path
 from rlvr.models.smollm2 import materialize_smollm2
 from rlvr.models.tiny import build_tiny_model
 
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
 
 def cache_dir() -> Path:
-    """Where built models live: $RLVR_CACHE or ~/.cache/rlvr."""
+    """Root of built artefacts: $RLVR_CACHE or ~/.cache/rlvr (models go under `models/`)."""
     return Path(os.environ.get("RLVR_CACHE", Path.home() / ".cache" / "rlvr"))
 
 
 def resolve_model_path(spec: str, seed: int = 0) -> Path:
-    """'tiny' -> built tiny model, 'smollm2' -> materialized SmolLM2, else an existing HF directory."""
+    """The model directory a config's `model.path` names.
+
+    'tiny' builds (once) the tiny model for `seed`, 'smollm2' materializes (once) the bundled
+    SmolLM2; anything else must be an existing local Hugging Face model directory. Raises
+    FileNotFoundError saying what is missing.
+    """
     if spec == "tiny":
         return build_tiny_model(cache_dir() / "models" / f"tiny-seed{seed}", seed=seed)
     if spec == "smollm2":
@@ -28,6 +40,10 @@ def resolve_model_path(spec: str, seed: int = 0) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"model path {spec!r} holds no config.json (not a Hugging Face model directory)"
+        )
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise FileNotFoundError(
+            f"model path {spec!r} holds no weights (expected one of {', '.join(WEIGHT_FILES)})"
         )
     return path
 

@@ -8,25 +8,45 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from rlvr.models.tiny import publish_dir, staging_dir
 from rlvr.tasks.base import Problem
-from rlvr.tasks.prompts import render_prompt
+from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, render_prompt
+from rlvr.verifiers.extract import last_boxed
 
 MARKER = "rlvr_sft.json"
+WARMUP_STEPS = 20
 
 
-def _fingerprint(model_dir: Path, problems: list[Problem], params: dict) -> str:
+def _fingerprint(model_dir: Path, problems: list[Problem], params: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    for f in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("tokenizer.json")):
-        h.update(f.read_bytes())
+    for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            for chunk in iter(lambda fh=fh: fh.read(1 << 24), b""):
+                h.update(chunk)
     for p in problems:
-        h.update(f"{p.prompt}\0{p.solution}\0".encode())
+        h.update(f"{p.id}\0{p.prompt}\0{p.solution}\0".encode())
     h.update(json.dumps(params, sort_keys=True).encode())
     return h.hexdigest()[:20]
+
+
+def _batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels that are -100 outside the response."""
+    width = max(len(a) + len(b) for a, b in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), -100, dtype=torch.long)
+    attn = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (prompt, response) in enumerate(examples):
+        end = len(prompt) + len(response)
+        ids[i, :end] = torch.tensor(prompt + response)
+        labels[i, len(prompt) : end] = torch.tensor(response)
+        attn[i, :end] = 1
+    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
 
 
 def sft_warmup(
@@ -35,72 +55,120 @@ def sft_warmup(
     out_dir: str | Path,
     steps: int = 300,
     lr: float = 1e-3,
-    batch_size: int = 16,
     seed: int = 0,
-    instruction: str = "Put your final answer in \\boxed{}.",
+    batch_size: int = 16,
+    instruction: str = DEFAULT_INSTRUCTION,
 ) -> Path:
-    """Fine-tune `model_dir` on `problems`' solutions for `steps` AdamW steps; returns the new dir."""
+    """Fine-tune `model_dir` on `problems`' reference solutions; returns `out_dir`.
+
+    Plain torch AdamW on CPU, `steps` steps of `batch_size` problems drawn with `seed`, a short
+    linear warm-up then linear decay of `lr`. The result is an HF directory (model + tokenizer);
+    if `out_dir` already holds the result for the same inputs it is returned untouched.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir, out = Path(model_dir), Path(out_dir)
+    if steps < 1 or batch_size < 1 or lr <= 0:
+        raise ValueError("SFT warm-up needs steps >= 1, batch_size >= 1 and lr > 0")
+    if not problems or not all(p.solution for p in problems):
+        raise ValueError("SFT warm-up needs problems, each with a reference solution")
     params = {
         "steps": steps,
         "lr": lr,
-        "batch_size": batch_size,
         "seed": seed,
+        "batch_size": batch_size,
         "instruction": instruction,
     }
-    fp = _fingerprint(model_dir, problems, params)
+    fingerprint = _fingerprint(model_dir, problems, params)
     marker = out / MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fp:
+    if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
         return out
-    if not problems or not all(p.solution for p in problems):
-        raise ValueError("SFT warm-up needs problems with reference solutions")
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    examples = []
-    for p in problems:
-        prompt = render_prompt(tokenizer, p, instruction)
-        response = tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id
-        ]
-        examples.append((prompt, response))
-
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    examples = [
+        (
+            render_prompt(tokenizer, p, instruction),
+            tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [eos],
+        )
+        for p in problems
+    ]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * max(0.0, 1 - s / steps)
+        opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.0, 1 - s / steps)
     )
-    gen = torch.Generator().manual_seed(seed)
+    draw = torch.Generator().manual_seed(seed)
     model.train()
-    losses = []
+    loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        batch = [examples[i] for i in idx]
-        width = max(len(a) + len(b) for a, b in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (a, b) in enumerate(batch):
-            ids[i, : len(a) + len(b)] = torch.tensor(a + b)
-            labels[i, len(a) : len(a) + len(b)] = torch.tensor(b)
-            attn[i, : len(a) + len(b)] = 1
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        picked = torch.randint(len(examples), (batch_size,), generator=draw).tolist()
+        loss = model(**_batch([examples[i] for i in picked], pad)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
 
-    staging = out.with_name(out.name + ".building")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
+    staging = staging_dir(out)
+    model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     (staging / MARKER).write_text(
-        json.dumps({"fingerprint": fp, "final_loss": losses[-1], **params})
+        json.dumps({"fingerprint": fingerprint, "final_loss": loss.item(), **params})
     )
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
-    return out
+    return publish_dir(staging, out)
+
+
+def boxed_answer_matches(response: str, gold: str) -> bool:
+    """Whether the last `\\boxed{}` of `response` equals `gold` (spaces, commas and `$` ignored)."""
+    boxed = last_boxed(response)
+    if boxed is None:
+        return False
+
+    def norm(s: str) -> str:
+        return "".join(c for c in s if c not in " ,$")
+
+    return norm(boxed) == norm(gold)
+
+
+@torch.no_grad()
+def greedy_accuracy(
+    model_dir: str | Path,
+    problems: list[Problem],
+    instruction: str = DEFAULT_INSTRUCTION,
+    max_new_tokens: int = 64,
+    batch_size: int = 32,
+) -> float:
+    """Fraction of `problems` whose greedy transformers completion boxes the gold answer.
+
+    The check used to report what SFT warm-up buys before RL starts (not the training reward,
+    which goes through the verifiers).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    correct = 0
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        prompts = [render_prompt(tokenizer, p, instruction) for p in chunk]
+        width = max(map(len, prompts))
+        # Left padding keeps every prompt's last token at the same position for generate().
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
+        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+        for problem, completion in zip(chunk, out[:, width:], strict=True):
+            text = tokenizer.decode(completion, skip_special_tokens=True)
+            correct += boxed_answer_matches(text, problem.answer)
+    return correct / len(problems)

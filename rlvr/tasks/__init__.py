@@ -10,17 +10,21 @@ from rlvr.tasks.loaders import load_problems
 
 
 def load_task(task_cfg: Any) -> tuple[list[Problem], list[Problem]]:
-    """(train, held-out) problems for a `TaskConfig`."""
+    """(train, held-out) problems for a `TaskConfig` (procedural arithmetic or dataset files).
+
+    A dataset without a test file holds out the last fifth of its training file (at most
+    `n_test` problems), deterministically.
+    """
     if task_cfg.name == "arithmetic":
         task = ArithmeticTask(
-            ArithmeticDifficulty(**task_cfg.difficulty.model_dump()), seed=task_cfg.seed
+            ArithmeticDifficulty(**task_cfg.difficulty.model_dump()),
+            seed=task_cfg.seed,
+            n_test=task_cfg.n_test,
         )
-        test = task.problems("test", task_cfg.n_test)
-        return task.problems("train", task_cfg.n_train, n_test=task_cfg.n_test), test
+        return task.problems("train", task_cfg.n_train), task.problems("test", task_cfg.n_test)
     train = load_problems(task_cfg.train_path)
     test = load_problems(task_cfg.test_path) if task_cfg.test_path else []
     if not test:
-        # hold out the tail of the training file, deterministically
         cut = max(1, min(task_cfg.n_test, len(train) // 5))
         train, test = train[:-cut], train[-cut:]
     return train, test

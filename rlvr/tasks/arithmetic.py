@@ -1,8 +1,8 @@
 """Procedural, seeded arithmetic problems with gold answers and step-by-step reference solutions.
 
-Difficulty is the number of operations, the operand range and the operators; problems are either
-plain expressions ("Compute 12 + 5 - 3.") or short word problems. Ids are content hashes, so they
-are stable across runs, and the held-out split never shares a problem with the training split.
+Difficulty is the number of operations, the operand range and the operators; a problem is either a
+plain expression ("Compute 12 + 5 - 3.") or a short word problem. Ids are content hashes, so they
+are stable across runs, and no training problem shares its computation with a held-out problem.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -19,17 +20,26 @@ from rlvr.tasks.base import Problem
 Style = Literal["expression", "words", "mixed"]
 Split = Literal["train", "test"]
 
-NAMES = ("Tom", "Ana", "Lee", "Mia", "Sam", "Ivy", "Max", "Zoe")
-ITEMS = ("apples", "books", "marbles", "coins", "stickers", "pencils", "cards", "shells")
-ADD_PHRASES = ("buys {n} more", "finds {n} more", "gets {n} more", "is given {n} more")
-SUB_PHRASES = ("gives away {n}", "loses {n}", "sells {n}", "uses {n}")
-MUL_PHRASES = ("ends up with {n} times as many",)
+NAMES = (("Tom", "He"), ("Ana", "She"), ("Lee", "He"), ("Mia", "She"), ("Sam", "He"))
+NAMES += (("Ivy", "She"), ("Max", "He"), ("Zoe", "She"))
+ITEMS = ("apple", "book", "marble", "coin", "sticker", "pencil", "card", "shell")
+PHRASES = {
+    "+": ("buys {n} more", "finds {n} more", "gets {n} more", "is given {n} more"),
+    "-": ("gives away {n}", "loses {n}", "sells {n}", "uses up {n}"),
+    "*": ("ends up with {n} times as many", "multiplies the pile by {n}"),
+}
+# Multipliers stay small so answers stay in the range a small model can learn to compute.
+MAX_MULTIPLIER = 5
 MAX_ATTEMPTS_PER_PROBLEM = 200
+DEFAULT_N_TEST = 100
+
+Computation = tuple[int, tuple[tuple[str, int], ...]]
+"""(start, ((operator, operand), ...)): what a problem computes, whatever its wording."""
 
 
 @dataclass(frozen=True)
 class ArithmeticDifficulty:
-    """How hard the problems are."""
+    """How hard the problems are: steps per problem, operand range, operators, wording."""
 
     min_steps: int = 1
     max_steps: int = 2
@@ -37,129 +47,166 @@ class ArithmeticDifficulty:
     operators: str = "+-"
     style: Style = "expression"
 
+    def __post_init__(self) -> None:
+        if self.min_steps < 1 or self.max_steps < self.min_steps:
+            raise ValueError("need 1 <= min_steps <= max_steps")
+        if self.max_operand < 2:
+            raise ValueError("max_operand must be >= 2")
+        if not self.operators or set(self.operators) - set("+-*"):
+            raise ValueError("operators must be a non-empty subset of '+-*'")
+        if self.style not in ("expression", "words", "mixed"):
+            raise ValueError("style must be 'expression', 'words' or 'mixed'")
 
-@dataclass(frozen=True)
-class _Op:
-    symbol: str
-    operand: int
+
+def _step(value: int, symbol: str, operand: int) -> int:
+    if symbol == "+":
+        return value + operand
+    if symbol == "-":
+        return value - operand
+    return value * operand
 
 
-def _apply(value: int, op: _Op) -> int:
-    if op.symbol == "+":
-        return value + op.operand
-    if op.symbol == "-":
-        return value - op.operand
-    return value * op.operand
+def _values(computation: Computation) -> list[int]:
+    """Running value after each step, starting with the start value."""
+    start, ops = computation
+    values = [start]
+    for symbol, operand in ops:
+        values.append(_step(values[-1], symbol, operand))
+    return values
+
+
+def _solution(computation: Computation) -> str:
+    values = _values(computation)
+    lines = [
+        f"{values[i]} {symbol} {operand} = {values[i + 1]}"
+        for i, (symbol, operand) in enumerate(computation[1])
+    ]
+    return "\n".join(lines) + f"\nThe answer is \\boxed{{{values[-1]}}}."
+
+
+def _expression(computation: Computation) -> str:
+    start, ops = computation
+    expr = str(start)
+    previous = None
+    for symbol, operand in ops:
+        # Steps run left to right; a product after a sum or difference needs parentheses.
+        if symbol == "*" and previous in ("+", "-"):
+            expr = f"({expr})"
+        expr = f"{expr} {symbol} {operand}"
+        previous = symbol
+    return f"Compute {expr}."
 
 
 class ArithmeticTask:
-    """Seeded generator of `Problem`s; the same (difficulty, seed) always yields the same problems."""
+    """Seeded generator of `Problem`s; the same (difficulty, seed, n_test) always gives the same.
 
-    def __init__(self, difficulty: ArithmeticDifficulty | None = None, seed: int = 0):
+    The held-out split is the first `n_test` distinct problems of its own seed stream; training
+    problems come from another stream and skip every computation in the held-out split, so the
+    splits are disjoint however many training problems are asked for.
+    """
+
+    def __init__(
+        self,
+        difficulty: ArithmeticDifficulty | None = None,
+        seed: int = 0,
+        n_test: int = DEFAULT_N_TEST,
+    ):
+        if n_test < 1:
+            raise ValueError("n_test must be >= 1")
         self.difficulty = difficulty or ArithmeticDifficulty()
         self.seed = seed
-        d = self.difficulty
-        if d.min_steps < 1 or d.max_steps < d.min_steps:
-            raise ValueError("need 1 <= min_steps <= max_steps")
-        if d.max_operand < 2:
-            raise ValueError("max_operand must be >= 2")
-        if not d.operators or set(d.operators) - set("+-*"):
-            raise ValueError("operators must be a non-empty subset of '+-*'")
+        self.n_test = n_test
 
-    def _draw(self, rng: np.random.Generator) -> tuple[int, list[_Op]]:
+    def _draw(self, rng: np.random.Generator) -> Computation:
         d = self.difficulty
         start = int(rng.integers(1, d.max_operand + 1))
-        ops: list[_Op] = []
         value = start
+        ops: list[tuple[str, int]] = []
         for _ in range(int(rng.integers(d.min_steps, d.max_steps + 1))):
             symbol = str(rng.choice(list(d.operators)))
             if symbol == "-" and value < 1:
-                symbol = "+"
+                symbol = "+"  # word problems cannot take away what is not there
             if symbol == "*":
-                operand = int(rng.integers(2, min(5, d.max_operand) + 1))
+                operand = int(rng.integers(2, min(MAX_MULTIPLIER, d.max_operand) + 1))
             elif symbol == "-":
-                # word problems never go negative; expressions keep the same rule for uniformity
                 operand = int(rng.integers(1, min(value, d.max_operand) + 1))
             else:
                 operand = int(rng.integers(1, d.max_operand + 1))
-            ops.append(_Op(symbol, operand))
-            value = _apply(value, ops[-1])
-        return start, ops
+            ops.append((symbol, operand))
+            value = _step(value, symbol, operand)
+        return start, tuple(ops)
 
-    def _render(self, rng: np.random.Generator, start: int, ops: list[_Op]) -> tuple[str, str, str]:
-        style = self.difficulty.style
-        if style == "mixed":
-            style = "words" if rng.random() < 0.5 else "expression"
-        values = [start]
-        for op in ops:
-            values.append(_apply(values[-1], op))
-        answer = str(values[-1])
-        if style == "expression":
-            expr = str(start)
-            steps = []
-            for i, op in enumerate(ops):
-                shown = op.symbol
-                steps.append(f"{values[i]} {shown} {op.operand} = {values[i + 1]}")
-                expr = (
-                    f"({expr}) {shown} {op.operand}"
-                    if op.symbol == "*" and i > 0
-                    else f"{expr} {shown} {op.operand}"
-                )
-            prompt = f"Compute {expr}."
-        else:
-            name = str(rng.choice(NAMES))
-            item = str(rng.choice(ITEMS))
-            phrases = {"+": ADD_PHRASES, "-": SUB_PHRASES, "*": MUL_PHRASES}
-            clauses = [str(rng.choice(phrases[op.symbol])).format(n=op.operand) for op in ops]
-            story = f"{name} has {start} {item}. {name} " + ", then ".join(clauses) + "."
-            prompt = f"{story} How many {item} does {name} have now?"
-            steps = []
-            for i, op in enumerate(ops):
-                shown = op.symbol
-                steps.append(f"{values[i]} {shown} {op.operand} = {values[i + 1]}")
-        solution = "\n".join(steps) + f"\nThe answer is \\boxed{{{answer}}}."
-        return prompt, answer, solution
+    def _words(self, rng: np.random.Generator, computation: Computation) -> str:
+        start, ops = computation
+        name, pronoun = NAMES[int(rng.integers(len(NAMES)))]
+        item = ITEMS[int(rng.integers(len(ITEMS)))]
+        items = f"{item}s"
+        clauses = [
+            PHRASES[symbol][int(rng.integers(len(PHRASES[symbol])))].format(n=operand)
+            for symbol, operand in ops
+        ]
+        owned = item if start == 1 else items
+        return (
+            f"{name} has {start} {owned}. {pronoun} {', then '.join(clauses)}. "
+            f"How many {items} does {pronoun.lower()} have now?"
+        )
 
-    def _stream(self, split: Split) -> Iterator[Problem]:
+    def _stream(self, split: Split) -> Iterator[tuple[Computation, Problem]]:
         rng = np.random.default_rng([self.seed, 0 if split == "train" else 1])
         while True:
-            start, ops = self._draw(rng)
-            prompt, answer, solution = self._render(rng, start, ops)
-            pid = "arith-" + hashlib.sha1(prompt.encode()).hexdigest()[:12]
-            yield Problem(id=pid, prompt=prompt, answer=answer, solution=solution)
+            computation = self._draw(rng)
+            style = self.difficulty.style
+            if style == "mixed":
+                style = "words" if rng.random() < 0.5 else "expression"
+            prompt = self._words(rng, computation) if style == "words" else _expression(computation)
+            problem = Problem(
+                id="arith-" + hashlib.sha1(prompt.encode()).hexdigest()[:12],
+                prompt=prompt,
+                answer=str(_values(computation)[-1]),
+                solution=_solution(computation),
+            )
+            yield computation, problem
 
-    def _unique(self, split: Split, n: int, exclude: set[str]) -> list[Problem]:
-        out: list[Problem] = []
+    def _distinct(
+        self, split: Split, n: int, exclude: frozenset[Computation]
+    ) -> list[tuple[Computation, Problem]]:
+        out: list[tuple[Computation, Problem]] = []
         seen = set(exclude)
-        attempts = 0
-        for p in self._stream(split):
-            attempts += 1
-            if attempts > MAX_ATTEMPTS_PER_PROBLEM * max(n, 1):
-                raise ValueError(
-                    f"only {len(out)} distinct {split} problems found for n={n}; "
-                    "raise task.difficulty.max_operand / max_steps or ask for fewer problems"
-                )
-            if p.prompt in seen:
-                continue
-            seen.add(p.prompt)
-            out.append(p)
+        for attempt, (computation, problem) in enumerate(self._stream(split)):
             if len(out) == n:
                 return out
-        raise AssertionError("unreachable")
+            if attempt >= MAX_ATTEMPTS_PER_PROBLEM * max(n, 1):
+                raise ValueError(
+                    f"only {len(out)} distinct {split} arithmetic problems found for n={n}: "
+                    "raise difficulty.max_operand / max_steps or ask for fewer problems"
+                )
+            if computation not in seen:
+                seen.add(computation)
+                out.append((computation, problem))
+        raise AssertionError("the problem stream is infinite")
 
-    def problems(self, split: Split, n: int, n_test: int | None = None) -> list[Problem]:
-        """`n` distinct problems of `split`. Training problems exclude every one of the first
-        `n_test` held-out problems (default: as many as `n`), so the splits are disjoint."""
+    @cached_property
+    def _held_out(self) -> list[tuple[Computation, Problem]]:
+        return self._distinct("test", self.n_test, frozenset())
+
+    def problems(self, split: Split, n: int) -> list[Problem]:
+        """The first `n` distinct problems of `split` (for "test", at most `n_test`)."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        if n < 0:
+            raise ValueError("n must be >= 0")
         if split == "test":
-            return self._unique("test", n, set())
-        held_out = {
-            p.prompt for p in self._unique("test", n_test if n_test is not None else n, set())
-        }
-        return self._unique("train", n, held_out)
+            if n > self.n_test:
+                raise ValueError(
+                    f"asked for {n} test problems but the task holds out {self.n_test}"
+                )
+            return [p for _, p in self._held_out[:n]]
+        held_out = frozenset(c for c, _ in self._held_out)
+        return [p for _, p in self._distinct("train", n, held_out)]
 
     def corpus(self, n: int = 2000) -> Iterator[str]:
-        """Text for training a tokenizer: prompts and reference solutions of both splits."""
+        """Text for training a tokenizer: prompts and reference solutions of both streams."""
         for split in ("train", "test"):
-            for p, _ in zip(self._stream(split), range(n), strict=False):
+            for (_, p), _ in zip(self._stream(split), range(n), strict=False):
                 yield p.prompt
                 yield p.solution

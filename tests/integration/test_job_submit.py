@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,13 +23,15 @@ def _free_port() -> int:
 
 
 def test_job_submit_to_local_head(tmp_path):
+    # Ray's socket paths must fit AF_UNIX's 107 bytes: keep its temp dir short
+    ray_tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     env = {
         **os.environ,
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",  # the job's driver must find `rlvr`
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_TMPDIR": str(tmp_path / "ray"),
+        "RAY_TMPDIR": ray_tmp,
     }
     env.pop("RAY_ADDRESS", None)
     gcs_port, dash_port = _free_port(), _free_port()
@@ -42,7 +46,7 @@ def test_job_submit_to_local_head(tmp_path):
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dash_port}",
             "--num-cpus=2",
-            f"--temp-dir={tmp_path / 'ray'}",
+            f"--temp-dir={ray_tmp}",
             "--disable-usage-stats",
         ],
         env=env,
@@ -104,3 +108,4 @@ def test_job_submit_to_local_head(tmp_path):
         # test session's own cluster.
         head.terminate()
         head.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

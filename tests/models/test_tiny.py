@@ -3,12 +3,12 @@
 import hashlib
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlvr.models import resolve_model_path
-from rlvr.models.tiny import build_tiny_model
-from rlvr.tasks import ArithmeticTask
-from rlvr.tasks.prompts import render_prompt
+from rlvr.models.tiny import EOS, FINGERPRINT, PAD, ROLE_TOKENS, build_tiny_model
+from rlvr.tasks import ArithmeticDifficulty, ArithmeticTask
 
 CORPUS = list(ArithmeticTask(seed=0).corpus(200))
 
@@ -23,36 +23,81 @@ def _digest(d):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", seed=0, corpus=CORPUS)
+    """The model `model.path: tiny` resolves to (default corpus), in a private cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLVR_CACHE", str(cache))
+        path = resolve_model_path("tiny", seed=0)
+    assert path == cache / "models" / "tiny-seed0"
+    return path
 
 
-def test_deterministic_for_a_seed(tiny, tmp_path):
-    again = build_tiny_model(tmp_path / "again", seed=0, corpus=CORPUS)
-    assert _digest(again) == _digest(tiny)
+def test_deterministic_for_a_seed(tmp_path):
+    a = build_tiny_model(tmp_path / "a", seed=0, corpus=CORPUS)
+    b = build_tiny_model(tmp_path / "b", seed=0, corpus=CORPUS)
+    assert _digest(a) == _digest(b)
     other = build_tiny_model(tmp_path / "other", seed=1, corpus=CORPUS)
-    assert _digest(other)["model.safetensors"] != _digest(tiny)["model.safetensors"]
+    assert _digest(other)["model.safetensors"] != _digest(a)["model.safetensors"]
+    assert _digest(other)["tokenizer.json"] == _digest(a)["tokenizer.json"]
 
 
-def test_cached_build_returns_without_rewriting(tiny):
-    before = (tiny / "model.safetensors").stat().st_mtime_ns
-    build_tiny_model(tiny, seed=0, corpus=CORPUS)
-    assert (tiny / "model.safetensors").stat().st_mtime_ns == before
+def test_fingerprint_cache(tmp_path):
+    path = build_tiny_model(tmp_path / "m", seed=0, corpus=CORPUS)
+    before = (path / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny_model(path, seed=0, corpus=CORPUS) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == before
+    # another corpus is another tokenizer: the cached build must not be reused
+    build_tiny_model(path, seed=0, corpus=CORPUS[:100])
+    assert (path / "model.safetensors").stat().st_mtime_ns != before
+    assert not list(tmp_path.glob(".*building*"))  # no staging directory left behind
+    assert (path / FINGERPRINT).is_file()
 
 
-def test_loads_with_transformers_and_chat_template(tiny):
-    tok = AutoTokenizer.from_pretrained(tiny)
+def test_architecture(tiny):
     model = AutoModelForCausalLM.from_pretrained(tiny)
-    assert model.config.head_dim == 64
-    assert model.config.vocab_size >= len(tok)
-    problem = ArithmeticTask(seed=0).problems("test", 1)[0]
-    ids = render_prompt(tok, problem, "Put your final answer in \\boxed{}.")
-    text = tok.decode(ids)
-    assert text.startswith("<|user|>\n") and text.endswith("<|assistant|>\n")
-    assert problem.prompt in text
-    # byte-level BPE round-trips task text exactly
-    assert tok.decode(tok(problem.solution)["input_ids"]) == problem.solution
-    out = model(input_ids=__import__("torch").tensor([ids]))
-    assert out.logits.shape == (1, len(ids), model.config.vocab_size)
+    cfg = model.config
+    assert (cfg.model_type, cfg.head_dim, cfg.hidden_size, cfg.num_hidden_layers) == (
+        "qwen2",
+        64,
+        256,
+        2,
+    )
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    assert cfg.tie_word_embeddings and model.dtype == torch.float32
+    assert (tiny / "model.safetensors").is_file()
+    ids = torch.tensor([[3, 10, 11, 12]])
+    assert model(input_ids=ids).logits.shape == (1, 4, cfg.vocab_size)
+
+
+def test_tokenizer_special_tokens_and_chat_template(tiny):
+    tok = AutoTokenizer.from_pretrained(tiny)
+    model_cfg = AutoModelForCausalLM.from_pretrained(tiny).config
+    assert len(tok) <= model_cfg.vocab_size <= 1024
+    assert tok.eos_token == EOS and tok.pad_token == PAD
+    assert tok.eos_token_id == model_cfg.eos_token_id != tok.pad_token_id
+    for special in (EOS, PAD, *ROLE_TOKENS):
+        assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert text == "<|system|>\nS<|endoftext|>\n<|user|>\nQ<|endoftext|>\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("style", ["expression", "words"])
+def test_tokenizer_round_trips_task_text(tiny, style):
+    tok = AutoTokenizer.from_pretrained(tiny)
+    task = ArithmeticTask(ArithmeticDifficulty(1, 4, 200, "+-*", style), seed=3)
+    for p in task.problems("test", 20):
+        for text in (p.prompt, p.solution, f"  odd spacing\t{p.answer} \\boxed{{}} é"):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            assert tok.decode(ids) == text
+    # the BPE was trained on this text: its words are whole tokens
+    words = ArithmeticTask(ArithmeticDifficulty(style="words"), seed=0).problems("test", 1)[0]
+    assert words.prompt.startswith("Ana has 11 shells. She uses up 7, then buys 17 more.")
+    pieces = [tok.decode([i]) for i in tok(words.prompt)["input_ids"]]
+    assert pieces[:8] == ["Ana", " has", " ", "1", "1", " shells", ".", " She"]
 
 
 def test_resolve_model_path_errors(tmp_path):
@@ -60,3 +105,8 @@ def test_resolve_model_path_errors(tmp_path):
         resolve_model_path(str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         resolve_model_path(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        resolve_model_path(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert resolve_model_path(str(tmp_path)) == tmp_path
