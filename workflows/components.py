@@ -108,30 +108,28 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
             f"available: {ray.available_resources()}"
         ) from None
 
-    def in_bundle(i: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+    def model_actor(cls: type, role: str, bundle: int, cpus: float, gpus: float, kwargs: dict):
+        """A model-owning actor pinned to its bundle of the run's placement group."""
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle
+        )
+        options = {"name": f"rlvr-{role}-{cfg.run.name}", "namespace": NAMESPACE, "num_cpus": cpus}
+        return (
+            ray.remote(cls)
+            .options(**options, num_gpus=gpus, scheduling_strategy=strategy)
+            .remote(**kwargs)
+        )
 
-    policy = (
-        ray.remote(PolicyActor)
-        .options(
-            name=f"rlvr-policy-{cfg.run.name}",
-            namespace=NAMESPACE,
-            num_cpus=r.policy_cpus,
-            num_gpus=r.policy_gpus,
-            scheduling_strategy=in_bundle(0),
-        )
-        .remote(**policy_kwargs(cfg, model_dir))
+    policy = model_actor(
+        PolicyActor, "policy", 0, r.policy_cpus, r.policy_gpus, policy_kwargs(cfg, model_dir)
     )
-    generator = (
-        ray.remote(GeneratorActor)
-        .options(
-            name=f"rlvr-generator-{cfg.run.name}",
-            namespace=NAMESPACE,
-            num_cpus=r.generator_cpus,
-            num_gpus=r.generator_gpus,
-            scheduling_strategy=in_bundle(1),
-        )
-        .remote(**generator_kwargs(cfg, model_dir))
+    generator = model_actor(
+        GeneratorActor,
+        "generator",
+        1,
+        r.generator_cpus,
+        r.generator_gpus,
+        generator_kwargs(cfg, model_dir),
     )
     controller = (
         ray.remote(ControllerActor)
