@@ -70,34 +70,35 @@ def test_job_submit_to_local_head(tmp_path):
             assert time.monotonic() < deadline, probe.stderr
             time.sleep(2)
         out = tmp_path / "runs"
-        job = subprocess.run(
-            [
-                str(BIN / "ray"),
-                "job",
-                "submit",
-                "--address",
-                address,
-                "--working-dir",
-                str(ROOT),
-                "--",
-                "rlvr",
-                "train",
-                "--config",
-                "configs/tiny.yaml",
-                "--set=task.n_test=8",
-                "--set=generation.prompts_per_step=2",
-                "--set=generation.group_size=2",
-                "--set=generation.max_tokens=16",
-                "--set=run.steps=1",
-                "--set=resources.num_verifiers=1",
-                f"--set=run.output_dir={out}",
-                "--set=run.name=job",
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        submit = [
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--working-dir",
+            str(ROOT),
+            "--",
+            "rlvr",
+            "train",
+            "--config",
+            "configs/tiny.yaml",
+            "--set=task.n_test=8",
+            "--set=generation.prompts_per_step=2",
+            "--set=generation.group_size=2",
+            "--set=generation.max_tokens=16",
+            "--set=run.steps=1",
+            "--set=resources.num_verifiers=1",
+            f"--set=run.output_dir={out}",
+            "--set=run.name=job",
+        ]
+        deadline = time.monotonic() + 120
+        while True:  # the head's job agent registers a little after the job API answers
+            job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=900)
+            if job.returncode == 0 or "No available agent" not in job.stderr:
+                break
+            assert time.monotonic() < deadline, job.stderr
+            time.sleep(2)
         assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
         assert "succeeded" in job.stdout
         metrics = [json.loads(x) for x in (out / "job" / "metrics.jsonl").read_text().splitlines()]
