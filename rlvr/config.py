@@ -7,11 +7,14 @@ an unknown key, a wrong type or an impossible value fails at load with the dotte
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlvr.algorithms import laconic
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 128)
 
@@ -42,6 +45,12 @@ class LoraConfig(Section):
             "down_proj",
         ],
         description="Module names that receive adapters.",
+    )
+    top_layers: int | None = Field(
+        None,
+        gt=0,
+        description="Adapt only the last N decoder layers; backward then stops above the frozen "
+        "lower layers, which cuts the step's compute (None = every layer).",
     )
 
 
@@ -144,12 +153,38 @@ class TrainingConfig(Section):
     )
 
 
+class LaconicConfig(Section):
+    """LACONIC: keep the mean response length under `budget` tokens with an adaptive dual."""
+
+    enabled: bool = Field(False, description="Constrain the mean response length to `budget`.")
+    budget: int | None = Field(None, gt=0, description="Target mean response length B (tokens).")
+    eta: float = Field(laconic.DEFAULT_ETA, gt=0.0, description="Dual step size.")
+    lam_max: float | Literal["auto"] = Field(
+        laconic.DEFAULT_LAM_MAX,
+        description="Ceiling of the dual variable; 'auto' = the safe ceiling B / (max_tokens - B).",
+    )
+    lam_init: float = Field(laconic.DEFAULT_LAM_INIT, ge=0.0, description="Initial dual value.")
+    cost: Literal["hinge", "linear"] = Field(
+        "hinge",
+        description="'hinge' = max(L/B - 1, 0) (the method); 'linear' = L/B - 1 (ablation).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LaconicConfig:
+        if self.enabled and self.budget is None:
+            raise ValueError("budget is required when LACONIC is enabled")
+        if isinstance(self.lam_max, float) and self.lam_max < 0:
+            raise ValueError("lam_max must be >= 0 or 'auto'")
+        return self
+
+
 class AlgorithmConfig(Section):
     name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
     advantage_scale: Literal["group", "none"] = Field(
         "group", description="'group' divides by group std; 'none' is Dr.GRPO."
     )
     advantage_eps: float = Field(1e-6, gt=0.0, description="Added to the group std.")
+    laconic: LaconicConfig = Field(default_factory=LaconicConfig)
 
 
 class VerifierConfig(Section):
@@ -211,7 +246,26 @@ class Config(Section):
             raise ValueError(
                 "generation.group_size must be >= 2 for GRPO (a group of one has no baseline)"
             )
+        lc = self.algorithm.laconic
+        if lc.enabled:
+            max_tokens = self.generation.max_tokens
+            if lc.budget >= max_tokens:
+                raise ValueError(
+                    f"algorithm.laconic.budget={lc.budget} must be below generation.max_tokens="
+                    f"{max_tokens}: no response can exceed it, so it never constrains anything"
+                )
+            _, warning = laconic.resolve_lam_max(lc.lam_max, lc.budget, max_tokens)
+            if warning:
+                warnings.warn(f"algorithm.laconic.lam_max: {warning}", stacklevel=2)
         return self
+
+    def laconic_dual(self) -> dict[str, float] | None:
+        """Keyword arguments of the controller's `laconic.DualState`, or None when disabled."""
+        lc = self.algorithm.laconic
+        if not lc.enabled:
+            return None
+        lam_max, _ = laconic.resolve_lam_max(lc.lam_max, lc.budget, self.generation.max_tokens)
+        return {"budget": lc.budget, "eta": lc.eta, "lam_max": lam_max, "lam": lc.lam_init}
 
     def check_cpus(self, available: float) -> None:
         """Fail before any actor starts when the actors ask for more CPUs than the cluster has."""

@@ -117,8 +117,9 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     ``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` from ``logits[:, t - 1]``; ``out[:, 0]``
     is 0 (no prediction).
     """
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    # gather - logsumexp keeps no [b, t, V] log-softmax alive for backward (the logits suffice).
+    logits = logits[:, :-1].float()
+    picked = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return torch.nn.functional.pad(picked, (1, 0))
 
 

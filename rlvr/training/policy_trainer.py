@@ -137,6 +137,7 @@ class PolicyTrainer:
                     lora_alpha=lora.alpha,
                     lora_dropout=lora.dropout,
                     target_modules=list(lora.target_modules),
+                    layers_to_transform=_top_layers(model, lora.top_layers),
                     task_type="CAUSAL_LM",
                 ),
             )
@@ -216,8 +217,9 @@ class PolicyTrainer:
         """
         if batch.advantages is None:
             raise ValueError("train_step needs batch.advantages")
-        if batch.old_logp is None:
-            batch = replace(batch, old_logp=self.logprobs(batch))
+        # One optimizer step per batch: the policy is the same for every micro-batch, so the
+        # on-policy old log-probs are the detached log-probs of the training forward itself.
+        on_policy = batch.old_logp is None
         if self.kl_coef > 0 and batch.ref_logp is None:
             batch = replace(batch, ref_logp=self.ref_logprobs(batch))
 
@@ -246,7 +248,7 @@ class PolicyTrainer:
             token_share = int(per_seq_tokens[start:stop].sum()) / n_tokens
             pg_loss, stats = grpo.policy_loss(
                 logp,
-                mb.old_logp,
+                logp.detach() if on_policy else mb.old_logp,
                 mb.advantages,
                 mb.response_mask,
                 clip_low=self.clip_low,
@@ -392,6 +394,16 @@ class PolicyTrainer:
         self.steps = client_state["steps"]
         torch.set_rng_state(client_state["cpu_rng"])
         get_accelerator().set_rng_state(client_state["accelerator_rng"])
+
+
+def _top_layers(model: PreTrainedModel, top: int | None) -> list[int] | None:
+    """Indices of the last ``top`` decoder layers, for PEFT's ``layers_to_transform``."""
+    if top is None:
+        return None
+    n_layers = model.config.num_hidden_layers
+    if top > n_layers:
+        raise ValueError(f"model.lora.top_layers={top} but the model has {n_layers} layers")
+    return list(range(n_layers - top, n_layers))
 
 
 class _LinearWarmup:
