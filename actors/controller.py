@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlvr.algorithms.laconic import DualState
 from rlvr.controller import TrainingController
 
 NAMESPACE = "rlvr"
@@ -18,11 +19,16 @@ def controller_name(run_name: str) -> str:
 
 
 class ControllerActor:
-    def __init__(self, group_size: int):
-        self.state = TrainingController(group_size=group_size)
+    def __init__(self, group_size: int, laconic: dict[str, float] | None = None):
+        self.state = TrainingController(
+            group_size=group_size, laconic=DualState(**laconic) if laconic else None
+        )
 
     def plan_step(self, step: int, prompt_ids: list[str]) -> dict[str, Any]:
         return self.state.plan_step(step, prompt_ids)
+
+    def update_length_dual(self, step: int, mean_length: float) -> float:
+        return self.state.update_length_dual(step, mean_length)
 
     def observe_step(
         self,

@@ -11,6 +11,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlvr.algorithms.laconic import DualState
+
 
 class StepOrderError(RuntimeError):
     """An update arrived for a step that is neither the next one nor an already-applied retry."""
@@ -43,14 +45,27 @@ class TrainingController:
     prompts: dict[str, PromptStats] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     recent_rollouts: deque = field(default_factory=deque)
+    laconic: DualState | None = None
 
     def plan_step(self, step: int, prompt_ids: list[str]) -> dict[str, Any]:
-        """Rollouts per prompt for `step` (fixed group size for GRPO)."""
+        """Rollouts per prompt for `step` (fixed group size for GRPO), and the step's dual values.
+
+        LACONIC's lambda is read here, once, before any advantage of the step is computed.
+        """
         if step != self.last_applied_step + 1:
             raise StepOrderError(
                 f"plan for step {step} but the next step is {self.last_applied_step + 1}"
             )
-        return {"step": step, "n": {pid: self.group_size for pid in prompt_ids}}
+        plan: dict[str, Any] = {"step": step, "n": {pid: self.group_size for pid in prompt_ids}}
+        if self.laconic is not None:
+            plan["laconic_lambda"] = self.laconic.lambda_for_step(step)
+        return plan
+
+    def update_length_dual(self, step: int, mean_length: float) -> float:
+        """LACONIC's dual step from the mean length of ALL the step's responses; once per step."""
+        if self.laconic is None:
+            raise RuntimeError("LACONIC is not enabled for this run")
+        return self.laconic.step_update(step, mean_length)
 
     def observe_step(
         self,
@@ -91,6 +106,7 @@ class TrainingController:
             "prompts": {pid: vars(s).copy() for pid, s in self.prompts.items()},
             "history": copy.deepcopy(self.history),
             "recent_rollouts": list(self.recent_rollouts),
+            "laconic": self.laconic.state_dict() if self.laconic is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -99,3 +115,8 @@ class TrainingController:
         self.prompts = {pid: PromptStats(**s) for pid, s in state["prompts"].items()}
         self.history = copy.deepcopy(state["history"])
         self.recent_rollouts = deque(state["recent_rollouts"])
+        dual = state.get("laconic")
+        if (dual is None) != (self.laconic is None):
+            raise ValueError("checkpoint and run disagree on whether LACONIC is enabled")
+        if dual is not None:
+            self.laconic.load_state_dict(dual)

@@ -81,10 +81,15 @@ class Rollouts:
         ]
 
 
-def shape_grpo(rollouts: Rollouts, cfg: Any, pad_id: int) -> tuple[TrainBatch, dict[str, float]]:
-    """GRPO advantages per prompt group, broadcast to the response tokens of a padded batch."""
+def shape_grpo(
+    rollouts: Rollouts, cfg: Any, pad_id: int, rewards: np.ndarray | None = None
+) -> tuple[TrainBatch, dict[str, float]]:
+    """GRPO advantages per prompt group, broadcast to the response tokens of a padded batch.
+
+    `rewards` replaces the verifier rewards when a method shapes them first (LACONIC's Lagrangian).
+    """
     adv = group_advantages(
-        rollouts.rewards,
+        rollouts.rewards if rewards is None else rewards,
         rollouts.group_ids,
         scale=cfg.algorithm.advantage_scale,
         eps=cfg.algorithm.advantage_eps,

@@ -80,3 +80,38 @@ def test_more_actor_cpus_than_available():
     with pytest.raises(ConfigError, match=r"resources: the actors need 4 CPUs but 2 are available"):
         cfg.check_cpus(2)
     load_config().check_cpus(2)
+
+
+def test_laconic_defaults_and_dual_kwargs():
+    cfg = load_config(None, ["algorithm.laconic.enabled=true", "algorithm.laconic.budget=64"])
+    lc = cfg.algorithm.laconic
+    assert (lc.eta, lc.lam_max, lc.lam_init, lc.cost) == (0.002, 0.3, 0.0, "hinge")
+    assert cfg.laconic_dual() == {"budget": 64, "eta": 0.002, "lam_max": 0.3, "lam": 0.0}
+    assert load_config(None, []).laconic_dual() is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["algorithm.laconic.enabled=true"], "algorithm.laconic"),
+        (
+            ["algorithm.laconic.enabled=true", "algorithm.laconic.budget=256"],
+            "algorithm.laconic.budget",
+        ),
+        (["algorithm.laconic.budget=0"], "algorithm.laconic.budget"),
+        (["algorithm.laconic.lam_max=-1"], "algorithm.laconic"),
+        (["algorithm.laconic.cost=square"], "algorithm.laconic.cost"),
+    ],
+)
+def test_laconic_bad_values_name_the_key(overrides, key):
+    # generation.max_tokens defaults to 256: a budget of 256 can never bind
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_laconic_warns_above_the_safe_ceiling_and_auto_resolves_to_it():
+    on = ["algorithm.laconic.enabled=true", "algorithm.laconic.budget=200"]
+    with pytest.warns(UserWarning, match="safe ceiling"):  # 200 / (256 - 200) = 3.57 is safe...
+        load_config(None, [*on, "algorithm.laconic.lam_max=5"])  # ...but 5 is not
+    cfg = load_config(None, [*on, "algorithm.laconic.lam_max=auto"])
+    assert cfg.laconic_dual()["lam_max"] == pytest.approx(200 / 56)

@@ -90,7 +90,9 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
             policy=Worker(PolicyActor(**policy_kwargs(cfg, model_dir)), "PolicyActor"),
             generator=Worker(GeneratorActor(**generator_kwargs(cfg, model_dir)), "GeneratorActor"),
             verifier=VerifierActor(cfg.verifier.timeout_s, num_workers=cfg.verifier.num_workers),
-            controller=Worker(ControllerActor(cfg.generation.group_size), "ControllerActor"),
+            controller=Worker(
+                ControllerActor(cfg.generation.group_size, cfg.laconic_dual()), "ControllerActor"
+            ),
         )
 
     r = cfg.resources
@@ -136,7 +138,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         .options(
             name=controller_name(cfg.run.name), namespace=NAMESPACE, num_cpus=0, get_if_exists=False
         )
-        .remote(cfg.generation.group_size)
+        .remote(cfg.generation.group_size, cfg.laconic_dual())
     )
     verifier = VerifierPool(
         r.num_verifiers,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from rlvr.algorithms import laconic
 from rlvr.config import Config, ConfigError, check_model_for_backend, config_from_dict
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.metrics import group_stats, rollout_stats
@@ -134,7 +135,7 @@ class Trainer:
         self.score(rollouts)
         times["time_verify"] = time.perf_counter() - t
 
-        batch, shape_stats = shape_grpo(rollouts, cfg, pad_id=self.tokenizer.pad_token_id)
+        batch, shape_stats = self.shape(rollouts, plan, step)
 
         t = time.perf_counter()
         train_stats = comps.policy.run("train_step", batch, step=step)
@@ -165,6 +166,31 @@ class Trainer:
         )
         self._last_rollouts = rollouts
         return metrics
+
+    def shape(
+        self, rollouts: Rollouts, plan: dict[str, Any], step: int
+    ) -> tuple[Any, dict[str, Any]]:
+        """Advantages and the training batch; LACONIC first turns rewards into its Lagrangian."""
+        lam = plan.get("laconic_lambda")
+        if lam is None:
+            return shape_grpo(rollouts, self.cfg, pad_id=self.tokenizer.pad_token_id)
+        lc = self.cfg.algorithm.laconic
+        lengths = np.asarray(rollouts.lengths)
+        shaped = laconic.lagrangian_rewards(rollouts.rewards, lengths, lc.budget, lam, lc.cost)
+        batch, stats = shape_grpo(
+            rollouts, self.cfg, pad_id=self.tokenizer.pad_token_id, rewards=shaped
+        )
+        # the dual sees every response of the step, before any filtering
+        lam_next = self.comps.controller.run(
+            "update_length_dual", step, float(lengths.mean()), step=step
+        )
+        truncated = [f == "length" for f in rollouts.finish_reasons]
+        stats.update(
+            laconic.step_metrics(
+                rollouts.rewards, lengths, truncated, lc.budget, lam, lam_next, lc.cost
+            )
+        )
+        return batch, stats
 
     def sync_weights(self, step: int | None = None) -> None:
         """Push the policy's current weights into the generator without restarting the engine."""

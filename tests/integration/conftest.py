@@ -19,6 +19,10 @@ FAST = [
     "generation.max_tokens=24",
     "run.eval_every=0",
     "resources.num_verifiers=1",
+    # LACONIC's dual rides along, so the resume test also covers it surviving a restart.
+    "algorithm.laconic.enabled=true",
+    "algorithm.laconic.budget=12",
+    "algorithm.laconic.eta=0.05",
 ]
 
 

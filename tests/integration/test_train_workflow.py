@@ -27,6 +27,14 @@ def test_run_directory_contents(tiny_run_dir):
         assert 0.0 <= m["reward_mean"] <= 1.0
         assert m["time_step"] >= m["time_generate"] > 0
         assert "train_loss" in m and "train_grad_norm" in m
+    # LACONIC (budget 12, eta 0.05): lambda steps by the signed violation, read once per step
+    assert metrics[0]["laconic_lambda"] == 0.0
+    for prev, m in zip(metrics, metrics[1:], strict=False):
+        assert m["laconic_lambda"] == prev["laconic_lambda_next"]
+    for m in metrics:
+        expected = m["laconic_lambda"] + 0.05 * (m["laconic_length_mean"] / 12 - 1)
+        assert m["laconic_lambda_next"] == pytest.approx(min(max(expected, 0.0), 0.3), abs=1e-12)
+        assert m["laconic_length_mean"] == pytest.approx(m["length_mean"])
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [-1, 3]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
