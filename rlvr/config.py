@@ -76,6 +76,9 @@ class DifficultyConfig(Section):
     style: Literal["expression", "words", "mixed"] = Field(
         "expression", description="Plain expressions or word problems."
     )
+    verbosity: int = Field(
+        0, ge=0, description="Up to N re-check lines per step in reference solutions (verbose SFT)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DifficultyConfig:

@@ -8,6 +8,7 @@ sampling seeds, weights, optimizer and controller state.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -247,7 +248,12 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
     if not test_problems:
         raise ConfigError("invalid config: task: the held-out set is empty")
     if cfg.model.sft_warmup_steps:
-        out = cache_dir() / "models" / f"{model_dir.name}-sft{cfg.model.sft_warmup_steps}"
+        # one cache entry per (model, steps, task): switching presets never rebuilds another's
+        task_key = hashlib.sha1(
+            json.dumps(cfg.task.model_dump(mode="json"), sort_keys=True).encode()
+        )
+        name = f"{model_dir.name}-sft{cfg.model.sft_warmup_steps}-{task_key.hexdigest()[:10]}"
+        out = cache_dir() / "models" / name
         model_dir = sft_warmup(
             model_dir,
             train_problems,

@@ -46,6 +46,7 @@ class ArithmeticDifficulty:
     max_operand: int = 20
     operators: str = "+-"
     style: Style = "expression"
+    verbosity: int = 0
 
     def __post_init__(self) -> None:
         if self.min_steps < 1 or self.max_steps < self.min_steps:
@@ -56,6 +57,8 @@ class ArithmeticDifficulty:
             raise ValueError("operators must be a non-empty subset of '+-*'")
         if self.style not in ("expression", "words", "mixed"):
             raise ValueError("style must be 'expression', 'words' or 'mixed'")
+        if self.verbosity < 0:
+            raise ValueError("verbosity must be >= 0")
 
 
 def _step(value: int, symbol: str, operand: int) -> int:
@@ -75,12 +78,20 @@ def _values(computation: Computation) -> list[int]:
     return values
 
 
-def _solution(computation: Computation) -> str:
+def _solution(computation: Computation, verbosity: int = 0) -> str:
+    """Step-by-step reference; `verbosity` > 0 adds 0..verbosity re-check lines after each step.
+
+    The number of re-checks is a hash of the computation, so the same problem always gets the same
+    trace while the corpus spans every length: a verbose start for length-control studies.
+    """
     values = _values(computation)
-    lines = [
-        f"{values[i]} {symbol} {operand} = {values[i + 1]}"
-        for i, (symbol, operand) in enumerate(computation[1])
-    ]
+    lines = []
+    for i, (symbol, operand) in enumerate(computation[1]):
+        line = f"{values[i]} {symbol} {operand} = {values[i + 1]}"
+        lines.append(line)
+        if verbosity:
+            digest = hashlib.sha1(f"{computation}/{i}".encode()).digest()
+            lines.extend([f"Check again: {line}."] * (digest[0] % (verbosity + 1)))
     return "\n".join(lines) + f"\nThe answer is \\boxed{{{values[-1]}}}."
 
 
@@ -163,7 +174,7 @@ class ArithmeticTask:
                 id="arith-" + hashlib.sha1(prompt.encode()).hexdigest()[:12],
                 prompt=prompt,
                 answer=str(_values(computation)[-1]),
-                solution=_solution(computation),
+                solution=_solution(computation, self.difficulty.verbosity),
             )
             yield computation, problem
 

@@ -151,3 +151,21 @@ def test_load_task_from_a_file_holds_out_its_tail(tmp_path):
     train, test = load_task(cfg.task)
     assert [p.id for p in test] == ["q8", "q9"]  # a fifth of 10, capped by n_test
     assert len(train) == 8
+
+
+def test_verbosity_pads_solutions_only():
+    plain = ArithmeticTask(ArithmeticDifficulty(max_steps=3), seed=1).problems("train", 50)
+    verbose = ArithmeticTask(ArithmeticDifficulty(max_steps=3, verbosity=3), seed=1)
+    padded = verbose.problems("train", 50)
+    assert [p.id for p in padded] == [p.id for p in plain]  # same problems, same answers
+    assert [p.answer for p in padded] == [p.answer for p in plain]
+    checks = []
+    for p, q in zip(plain, padded, strict=True):
+        steps = p.solution.count("\n")  # one line per step before the answer line
+        lines = q.solution.splitlines()
+        extra = [line for line in lines if line.startswith("Check again: ")]
+        assert [line for line in lines if line not in extra] == p.solution.splitlines()
+        assert 0 <= len(extra) <= 3 * steps
+        checks.append(len(extra))
+    assert min(checks) < max(checks)  # the corpus spans several lengths
+    assert padded == verbose.problems("train", 50)  # deterministic
