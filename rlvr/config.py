@@ -161,7 +161,9 @@ class LaconicConfig(Section):
 
     enabled: bool = Field(False, description="Constrain the mean response length to `budget`.")
     budget: int | None = Field(None, gt=0, description="Target mean response length B (tokens).")
-    eta: float = Field(laconic.DEFAULT_ETA, gt=0.0, description="Dual step size.")
+    eta: float = Field(
+        laconic.DEFAULT_ETA, ge=0.0, description="Dual step size (0 = fixed lambda, an ablation)."
+    )
     lam_max: float | Literal["auto"] = Field(
         laconic.DEFAULT_LAM_MAX,
         description="Ceiling of the dual variable; 'auto' = the safe ceiling B / (max_tokens - B).",

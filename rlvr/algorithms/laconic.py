@@ -106,8 +106,8 @@ def dual_update(lam: float, mean_length: float, budget: float, eta: float, lam_m
     lambda could never decrease. `lam_max` is the ceiling Lambda (see `safe_lambda_ceiling`).
     """
     budget = _check_budget(budget)
-    if not (eta > 0 and math.isfinite(eta)):
-        raise ValueError(f"eta must be a positive finite step size, got {eta}")
+    if not (eta >= 0 and math.isfinite(eta)):
+        raise ValueError(f"eta must be a finite step size >= 0, got {eta}")
     if not lam_max >= 0:
         raise ValueError(f"lam_max must be >= 0, got {lam_max}")
     if not (lam >= 0 and math.isfinite(lam)):
@@ -173,8 +173,8 @@ class DualState:
 
     def __post_init__(self) -> None:
         _check_budget(self.budget)
-        if not (self.eta > 0 and math.isfinite(self.eta)):
-            raise ValueError(f"eta must be a positive finite step size, got {self.eta}")
+        if not (self.eta >= 0 and math.isfinite(self.eta)):  # 0: the fixed-lambda ablation
+            raise ValueError(f"eta must be a finite step size >= 0, got {self.eta}")
         if not 0 <= self.lam <= self.lam_max:
             raise ValueError(f"lambda {self.lam} must lie in [0, lam_max={self.lam_max}]")
 

@@ -276,3 +276,12 @@ def test_bandit_grpo_with_dual_meets_the_budget():
     linear = simulate_bandit(steps=500, seed=0, cost="linear")
     assert run["batch_length"].min() > 900
     assert linear["batch_length"].min() < 750
+
+
+def test_eta_zero_holds_lambda_fixed_for_the_ablation():
+    state = DualState(budget=100, eta=0.0, lam_max=0.3, lam=0.1)
+    for step, length in enumerate([250.0, 10.0, 100.0]):
+        assert state.lambda_for_step(step) == 0.1
+        assert state.step_update(step, length) == 0.1
+    with pytest.raises(ValueError, match="eta"):
+        DualState(budget=100, eta=-0.01)
