@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlvr.algorithms.laconic import DualState
 from rlvr.controller import TrainingController
+from rlvr.csa_service import CSAStreamHost, StreamSpec
 
 NAMESPACE = "rlvr"
 
@@ -19,16 +19,36 @@ def controller_name(run_name: str) -> str:
 
 
 class ControllerActor:
-    def __init__(self, group_size: int, laconic: dict[str, float] | None = None):
-        self.state = TrainingController(
-            group_size=group_size, laconic=DualState(**laconic) if laconic else None
-        )
+    def __init__(
+        self,
+        group_size: int,
+        laconic: dict[str, float] | None = None,
+        duet: dict[str, Any] | None = None,
+        csa_dir: str | None = None,
+    ):
+        self.state = TrainingController.build(group_size, laconic, duet)
+        # Served CSA streams, restored from csa_dir on every (re)start of this actor.
+        self.csa = CSAStreamHost(csa_dir) if csa_dir else None
 
     def plan_step(self, step: int, prompt_ids: list[str]) -> dict[str, Any]:
         return self.state.plan_step(step, prompt_ids)
 
     def update_length_dual(self, step: int, mean_length: float) -> float:
         return self.state.update_length_dual(step, mean_length)
+
+    def update_duet_state(
+        self,
+        step: int,
+        prompt_ids: list[str],
+        advantages: list[float],
+        logprob_sums: list[float],
+        lengths: list[int],
+        kept: list[bool],
+        epoch_end: bool = False,
+    ) -> dict[str, Any]:
+        return self.state.update_duet_state(
+            step, prompt_ids, advantages, logprob_sums, lengths, kept, epoch_end
+        )
 
     def observe_step(
         self,
@@ -53,3 +73,40 @@ class ControllerActor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state.load_state_dict(state)
+
+    # CSA streams (rlvr.csa_service): this actor is their only writer, so seq order is the filtration.
+
+    def _csa(self) -> CSAStreamHost:
+        if self.csa is None:
+            raise RuntimeError(
+                "this ControllerActor hosts no CSA streams (started without csa_dir)"
+            )
+        return self.csa
+
+    def csa_open(
+        self, name: str, spec: dict[str, Any], policy: str | None = None, scorer: str | None = None
+    ) -> dict[str, Any]:
+        return self._csa().open_stream(name, StreamSpec.from_dict(spec), policy, scorer)
+
+    def csa_decide(self, name: str, score: float) -> dict[str, Any]:
+        return self._csa().decide(name, score)
+
+    def csa_observe(self, name: str, seq: int, passed: bool) -> dict[str, Any]:
+        return self._csa().observe(name, seq, passed)
+
+    def csa_switch_versions(
+        self,
+        name: str,
+        policy: str | None = None,
+        scorer: str | None = None,
+        trained_through: int | None = None,
+    ) -> int:
+        return self._csa().switch_versions(name, policy, scorer, trained_through)
+
+    def csa_status(self, name: str | None = None) -> dict[str, Any]:
+        host = self._csa()
+        names = host.stream_names() if name is None else [name]
+        return {n: host.status(n) for n in names}
+
+    def csa_state(self, name: str) -> dict[str, Any]:
+        return self._csa().state(name)

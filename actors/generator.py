@@ -1,7 +1,10 @@
 """GeneratorActor: owns a generation backend (vLLM by default, transformers as fallback).
 
 Receives new weights after every training step through `update_weights` (named tensors via the
-object store on CPU) and keeps a running tokens/s figure.
+object store on CPU) and keeps a running tokens/s figure. DUET's stop rule is built here from plain
+settings, because it decodes with this process's tokenizer (a decode function does not travel).
+In Tandem mode it also holds the frozen junior (in the same engine) and the word-switch schedule
+built from this process's tokenizer; `update_weights` reaches the senior only.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Any
 
 import torch
 
+from rlvr.algorithms.duet_stop import StopControllerFactory
+from rlvr.algorithms.tandem import WordSwitchSchedule, word_boundary_ids
 from rlvr.generation import make_backend
 from rlvr.generation.base import (
     GenerationRequest,
@@ -22,9 +27,23 @@ from rlvr.generation.base import (
 
 
 class GeneratorActor:
-    def __init__(self, backend: str, model_path: str, threads: int, **backend_kwargs: Any):
+    def __init__(
+        self,
+        backend: str,
+        model_path: str,
+        threads: int,
+        tandem: dict[str, Any] | None = None,
+        **backend_kwargs: Any,
+    ):
+        """`tandem` ({"junior_path", "p", "cap"}) starts the engine with Tandem's junior."""
         torch.set_num_threads(threads)
+        if tandem is not None:
+            backend_kwargs["junior_path"] = tandem["junior_path"]
         self.backend = make_backend(backend, model_path, **backend_kwargs)
+        self.schedule: WordSwitchSchedule | None = None
+        if tandem is not None:
+            boundary = word_boundary_ids(self.backend.tokenizer.get_vocab())
+            self.schedule = WordSwitchSchedule(boundary, p=tandem["p"], cap=tandem["cap"])
         self.tokens = 0
         self.seconds = 0.0
         self.weight_version = 0
@@ -37,12 +56,35 @@ class GeneratorActor:
         requests: Sequence[GenerationRequest],
         params: SamplingParams,
         stop_rule_factory: StopRuleFactory | None = None,
+        duet_stop: dict[str, Any] | None = None,
+        tandem: bool = False,
     ) -> list[GenerationResult]:
+        """Sample every request; `duet_stop` (the settings of a `StopControllerFactory` but the
+        decode function and request sizes) runs DUET's stop rule on every sample in the engine;
+        `tandem` co-writes every sample with the junior (authorship in `Sample.authorship`)."""
+        if tandem and self.schedule is None:
+            raise ValueError("tandem generation needs a GeneratorActor started with a junior")
+        if duet_stop is not None:
+            if stop_rule_factory is not None:
+                raise ValueError("pass either stop_rule_factory or duet_stop, not both")
+            stop_rule_factory = StopControllerFactory(
+                decode=self._decode, request_sizes=[r.n for r in requests], **duet_stop
+            )
         t = time.perf_counter()
-        results = self.backend.generate(requests, params, stop_rule_factory)
+        schedule = self.schedule if tandem else None
+        results = self.backend.generate(requests, params, stop_rule_factory, schedule=schedule)
         self.seconds += time.perf_counter() - t
         self.tokens += sum(len(s.token_ids) for r in results for s in r.samples)
         return results
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.backend.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def score_logprobs(
+        self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """Teacher-forced log-probs at `positions` under the engine's current weights (DRO R3)."""
+        return self.backend.score_logprobs(sequences, positions)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
         self.backend.load_weights(named_tensors.items())

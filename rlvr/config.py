@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlvr.algorithms import laconic
+from rlvr.algorithms import dro, laconic
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 128)
 
@@ -90,13 +90,17 @@ class DifficultyConfig(Section):
 
 
 class TaskConfig(Section):
-    name: Literal["arithmetic", "file"] = Field(
-        "arithmetic", description="Procedural task or a user dataset file."
+    name: Literal["arithmetic", "explain", "file", "reference_file"] = Field(
+        "arithmetic",
+        description="Procedural task ('arithmetic'; 'explain': reference answers, no verifier) or "
+        "a user dataset file ('file': id/prompt/answer; 'reference_file': id/prompt/reference).",
     )
     train_path: str | None = Field(
-        None, description="JSONL/parquet training data when name='file'."
+        None, description="JSONL/parquet training data when name is 'file' or 'reference_file'."
     )
-    test_path: str | None = Field(None, description="JSONL/parquet held-out data when name='file'.")
+    test_path: str | None = Field(
+        None, description="JSONL/parquet held-out data when name is 'file' or 'reference_file'."
+    )
     difficulty: DifficultyConfig = Field(default_factory=DifficultyConfig)
     n_train: int = Field(2000, gt=0, description="Procedural training problems.")
     n_test: int = Field(100, gt=0, description="Procedural held-out problems.")
@@ -107,8 +111,8 @@ class TaskConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:
-        if self.name == "file" and not self.train_path:
-            raise ValueError("train_path is required when name='file'")
+        if self.name in ("file", "reference_file") and not self.train_path:
+            raise ValueError(f"train_path is required when name='{self.name}'")
         return self
 
 
@@ -183,6 +187,178 @@ class LaconicConfig(Section):
         return self
 
 
+class DuetConfig(Section):
+    """DUET: per-prompt rollout counts and in-engine early stops under one token budget."""
+
+    enabled: bool = Field(
+        False, description="Allocate rollouts per prompt and stop/abort them in the engine."
+    )
+    b: float = Field(
+        0.5, gt=0.0, description="Budget fraction: B = b * n_ref * sum of the batch's L_hat."
+    )
+    n_ref: int = Field(8, gt=0, description="Reference GRPO group size the budget scales.")
+    n_min: int = Field(1, ge=1, description="Fewest rollouts per prompt.")
+    n_max: int = Field(32, ge=1, description="Most rollouts per prompt.")
+    eps_pre: float = Field(
+        0.05, gt=0.0, le=1.0, description="Lower clip of the stratification factor s_pre."
+    )
+    eps_abort: float = Field(
+        0.05, ge=0.0, le=1.0, description="Keep-probability of a marker-less rollout at K2+grace."
+    )
+    grace: int = Field(150, ge=0, description="Tokens allowed after the marker (and after K2).")
+    poll_every: int = Field(8, gt=0, description="Marker poll interval in tokens (from K1 on).")
+    marker_window: int = Field(
+        256, gt=0, description="Trailing tokens decoded for the marker check."
+    )
+    domain: Literal["math", "code", "qa"] = Field(
+        "math", description="Answer marker: \\boxed{} (math), closing fence (code), <answer> (qa)."
+    )
+    k_warmup: int = Field(
+        1, ge=1, description="Surrogate observations before a prompt uses its own s_hat."
+    )
+    s_floor: float = Field(
+        0.01, ge=0.0, description="Surrogate floor in epoch 1 (then frozen at p5 of sigma_obs)."
+    )
+    floor_min: float = Field(
+        0.0, ge=0.0, description="Lower bound of the frozen floor (0: the paper's p5 as is)."
+    )
+    length_window: int = Field(
+        1024, gt=0, description="Kept lengths in the window K1/K2 are fit to."
+    )
+    refit_every: int = Field(10, gt=0, description="Steps between K1/K2 refits.")
+    k1_min: int = Field(32, ge=0, description="Lower clamp of K1 (poll start).")
+    k2_gap: int = Field(50, ge=0, description="K2 is at least K1 + k2_gap.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DuetConfig:
+        if not self.n_min <= self.n_ref <= self.n_max:
+            raise ValueError(
+                f"n_ref={self.n_ref} must satisfy n_min={self.n_min} <= n_ref <= n_max={self.n_max}"
+            )
+        if self.b * self.n_ref < self.n_min:
+            raise ValueError(
+                f"b={self.b}: b * n_ref = {self.b * self.n_ref:g} is below n_min={self.n_min}, so "
+                "every prompt would get n_min rollouts and the budget could never bind"
+            )
+        return self
+
+
+class DroFilterConfig(Section):
+    """DRO's offline query filter (`rlvr filter`): keep the queries with the most R3 signal."""
+
+    group_size: int = Field(16, ge=2, description="Reference-model rollouts per scored query.")
+    token_frac: float = Field(
+        dro.DEFAULT_TOKEN_FRAC, gt=0.0, le=1.0, description="Top share of tokens by sigma in sbar."
+    )
+    query_frac: float = Field(
+        dro.DEFAULT_QUERY_FRAC, gt=0.0, le=1.0, description="Share of queries kept by sbar."
+    )
+    retention: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Total share kept; above query_frac the rest are the lowest-certainty (hard) "
+        "queries (paper: 0.125-0.18). None keeps only the sbar share.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DroFilterConfig:
+        if self.retention is not None and self.retention < self.query_frac:
+            raise ValueError(f"retention={self.retention} must be >= query_frac={self.query_frac}")
+        return self
+
+
+class DroConfig(Section):
+    """DRO: reward a CoT by the policy's certainty of a reference answer, gated by rubrics."""
+
+    enabled: bool = Field(False, description="Train with DRO's reference reward, gates and loss.")
+    reward: Literal["r3", "avg_prob", "avg_logprob", "verifier"] = Field(
+        "r3",
+        description="'r3' (DRO), 'avg_prob' (RLPR), 'avg_logprob' (VeriFree) from the reference "
+        "certainties; 'verifier': the exact verifier's reward with the same loss (a baseline).",
+    )
+    omega: float = Field(
+        dro.DEFAULT_OMEGA, ge=0.0, description="Inverse temperature of R3's token emphasis."
+    )
+    clip_low: float = Field(
+        dro.DEFAULT_CLIP_LOW, ge=0.0, le=1.0, description="R3 clips certainties below this."
+    )
+    clip_high: float = Field(
+        dro.DEFAULT_CLIP_HIGH, ge=0.0, le=1.0, description="R3 clips certainties above this."
+    )
+    delimiter: str = Field(
+        "</think>",
+        description="Text ending the CoT (tokenized once); '' scores the whole completion as the "
+        "prefix (the no-slicing ablation).",
+    )
+    separator: str = Field(
+        "\n\n", description="Fixed text between the delimiter and the reference answer."
+    )
+    scorer: Literal["generator", "trainer", "reference"] = Field(
+        "generator",
+        description="Who scores R3: the rollout weights in the GeneratorActor (vLLM prompt "
+        "log-probs) or the PolicyActor (forward pass), or the frozen reference model.",
+    )
+    gates: bool = Field(True, description="Reject groups that fail the rubric gates.")
+    judge: Literal["reference", "keyword"] = Field(
+        "reference",
+        description="Rubric author and judge: the frozen reference model on a generation backend, "
+        "or 'keyword': deterministic rules (items 'The response contains \"X\".').",
+    )
+    judge_max_tokens: int = Field(512, gt=0, description="Token budget of a rubric/judge reply.")
+    rubrics_path: str | None = Field(
+        None, description="Rubric cache (JSON); None: one per task, model and judge in the cache."
+    )
+    mu: int = Field(
+        dro.DEFAULT_MU, ge=1, description="Coverage: rollouts that must meet each item."
+    )
+    rho_g: float = Field(
+        dro.DEFAULT_RHO_G, gt=0.0, le=1.0, description="Consistency: top share of rollouts by R3."
+    )
+    nu: float = Field(
+        dro.DEFAULT_NU, ge=0.0, le=1.0, description="Consistency: share of items each must meet."
+    )
+    rho_ent: float = Field(
+        dro.DEFAULT_RHO_ENT,
+        gt=0.0,
+        le=1.0,
+        description="80/20 rule: share of completion tokens (top entropy) with policy gradient.",
+    )
+    beta: float = Field(
+        dro.DEFAULT_BETA, ge=0.0, description="k3 KL coefficient to the reference policy."
+    )
+    filter: DroFilterConfig = Field(default_factory=DroFilterConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> DroConfig:
+        if self.clip_low > self.clip_high:
+            raise ValueError(f"clip_low={self.clip_low} must be <= clip_high={self.clip_high}")
+        if self.gates and not self.delimiter:
+            raise ValueError("gates judge the final answer after the delimiter; set a delimiter")
+        if self.scorer == "reference" and self.judge != "reference":
+            raise ValueError("scorer='reference' needs the reference model (judge='reference')")
+        return self
+
+
+class TandemConfig(Section):
+    """Tandem RL: a frozen junior co-writes every training rollout; only senior tokens train."""
+
+    enabled: bool = Field(
+        False, description="Co-write rollouts with a frozen junior; train on the senior's tokens."
+    )
+    p: float = Field(
+        0.5, gt=0.0, le=1.0, description="Probability that the senior wins an author draw."
+    )
+    cap: int = Field(
+        32, ge=1, description="K: redraw the author after this many tokens without a word start."
+    )
+    junior_path: str | None = Field(
+        None,
+        description="Frozen junior ('tiny', 'smollm2' or an HF directory with the senior's "
+        "tokenizer); None = the senior's starting weights (the base model).",
+    )
+
+
 class AlgorithmConfig(Section):
     name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
     advantage_scale: Literal["group", "none"] = Field(
@@ -190,6 +366,9 @@ class AlgorithmConfig(Section):
     )
     advantage_eps: float = Field(1e-6, gt=0.0, description="Added to the group std.")
     laconic: LaconicConfig = Field(default_factory=LaconicConfig)
+    duet: DuetConfig = Field(default_factory=DuetConfig)
+    dro: DroConfig = Field(default_factory=DroConfig)
+    tandem: TandemConfig = Field(default_factory=TandemConfig)
 
 
 class VerifierConfig(Section):
@@ -262,7 +441,105 @@ class Config(Section):
             _, warning = laconic.resolve_lam_max(lc.lam_max, lc.budget, max_tokens)
             if warning:
                 warnings.warn(f"algorithm.laconic.lam_max: {warning}", stacklevel=2)
+        if self.algorithm.duet.enabled:
+            self._check_duet()
+        if self.algorithm.dro.enabled:
+            self._check_dro()
+        if self.algorithm.tandem.enabled:
+            self._check_tandem()
         return self
+
+    def _check_tandem(self) -> None:
+        a = self.algorithm
+        if a.laconic.enabled or a.duet.enabled or a.dro.enabled:
+            # The Tandem digest defines no composition with a shaped reward or weighted rollouts.
+            raise ValueError(
+                "algorithm.tandem.enabled: Tandem cannot run with LACONIC, DUET or DRO; "
+                "enable one of them"
+            )
+
+    def _check_dro(self) -> None:
+        if self.algorithm.laconic.enabled or self.algorithm.duet.enabled:
+            # The DRO digest defines no composition with a length-shaped reward or DUET weights.
+            raise ValueError(
+                "algorithm.dro.enabled: DRO cannot run with LACONIC or DUET; enable one of them"
+            )
+        if self.training.kl_coef:
+            raise ValueError(
+                "training.kl_coef: DRO sets its KL coefficient with algorithm.dro.beta; leave "
+                "training.kl_coef at 0"
+            )
+        if self.algorithm.dro.gates and self.algorithm.dro.reward == "verifier":
+            raise ValueError(
+                "algorithm.dro.gates: the verifier-reward baseline runs without rubric gates"
+            )
+
+    def _check_duet(self) -> None:
+        du, max_tokens = self.algorithm.duet, self.generation.max_tokens
+        if self.algorithm.laconic.enabled:
+            # The DUET digest defines no composition with a length-shaped reward.
+            raise ValueError(
+                "algorithm.duet.enabled: DUET and LACONIC (algorithm.laconic.enabled) cannot run "
+                "together; enable one of them"
+            )
+        if self.algorithm.advantage_scale != "group":
+            raise ValueError(
+                "algorithm.advantage_scale must be 'group' with DUET (its advantages are "
+                "group-normalised, digest Eq. 6)"
+            )
+        if du.grace >= max_tokens:
+            raise ValueError(
+                f"algorithm.duet.grace={du.grace} must be below generation.max_tokens={max_tokens}"
+            )
+        if du.k1_min >= max_tokens:
+            raise ValueError(
+                f"algorithm.duet.k1_min={du.k1_min} must be below generation.max_tokens="
+                f"{max_tokens}: the marker would never be polled after the first K1 refit"
+            )
+        gate = int(0.7 * max_tokens) + du.grace
+        if gate >= max_tokens:
+            warnings.warn(
+                f"algorithm.duet.grace: the cold abort gate K2 + grace = {gate} is not below "
+                f"generation.max_tokens={max_tokens}; no rollout is aborted before K2 is refit",
+                stacklevel=3,
+            )
+
+    def duet_controller(self) -> dict[str, Any] | None:
+        """Keyword arguments of the controller's `DuetController`, or None when disabled."""
+        du = self.algorithm.duet
+        if not du.enabled:
+            return None
+        return {
+            "b": du.b,
+            "max_len": self.generation.max_tokens,
+            "n_ref": du.n_ref,
+            "n_min": du.n_min,
+            "n_max": du.n_max,
+            "eps_pre": du.eps_pre,
+            "k_warmup": du.k_warmup,
+            "s_floor": du.s_floor,
+            "floor_min": du.floor_min,
+            "length_window": du.length_window,
+            "refit_every": du.refit_every,
+            "k1_min": du.k1_min,
+            "k2_gap": du.k2_gap,
+        }
+
+    def duet_stop(self, k1: int, k2: int, step: int) -> dict[str, Any]:
+        """Settings of one step's `StopControllerFactory` (all but the decode function and the
+        request sizes, which the GeneratorActor supplies)."""
+        du = self.algorithm.duet
+        return {
+            "k1": k1,
+            "k2": k2,
+            "base_seed": self.run.seed,
+            "step": step,
+            "domain": du.domain,
+            "grace": du.grace,
+            "eps_abort": du.eps_abort,
+            "poll_every": du.poll_every,
+            "window": du.marker_window,
+        }
 
     def laconic_dual(self) -> dict[str, float] | None:
         """Keyword arguments of the controller's `laconic.DualState`, or None when disabled."""

@@ -1,7 +1,8 @@
 """A step's rollouts as flat arrays, and GRPO shaping of them into a training batch.
 
 Flattening happens once, right after generation; scoring fills `rewards`, shaping computes
-group advantages (over ALL rollouts of each prompt) and builds the padded `TrainBatch`.
+group advantages (over ALL rollouts of each prompt) and builds the padded `TrainBatch`. DUET's
+shaping also weights each rollout and masks the aborted ones out of the loss.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlvr.algorithms import duet
 from rlvr.algorithms.grpo import group_advantages
 from rlvr.generation.base import GenerationResult
 from rlvr.training.batch import TrainBatch, build_batch
@@ -30,6 +32,12 @@ class Rollouts:
     flags: list[dict[str, Any]]
     rewards: np.ndarray = field(default_factory=lambda: np.zeros(0))
     statuses: list[str] = field(default_factory=list)
+    advantages: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Unweighted group advantages, when the shaping keeps them (DUET's surrogate needs them)."""
+    weights: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Per-rollout loss weights, when a method sets them (DUET: 0 for aborted rollouts)."""
+    authorships: list[list[int] | None] = field(default_factory=list)
+    """Per rollout, the author of each response token (Tandem: 1 = senior); None if solo."""
 
     @classmethod
     def from_results(cls, results: list[GenerationResult], golds: dict[str, str]) -> Rollouts:
@@ -43,9 +51,11 @@ class Rollouts:
                 rows["gold"].append(golds[res.request_id])
                 rows["f"].append(s.finish_reason)
                 rows["flags"].append(s.flags)
-        return cls(
+        out = cls(
             rows["g"], rows["p"], rows["r"], rows["t"], rows["gold"], rows["f"], rows["flags"]
         )
+        out.authorships = [s.authorship for res in results for s in res.samples]
+        return out
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -66,8 +76,9 @@ class Rollouts:
             rows = range(len(self))
         else:  # spread over the step's groups rather than the first few prompts
             rows = np.linspace(0, len(self) - 1, limit).round().astype(int).tolist()
-        return [
-            {
+        records = []
+        for i in rows:
+            record = {
                 "step": step,
                 "prompt_id": self.group_ids[i],
                 "response": self.texts[i],
@@ -77,8 +88,12 @@ class Rollouts:
                 "length": len(self.response_ids[i]),
                 "finish_reason": self.finish_reasons[i],
             }
-            for i in rows
-        ]
+            if self.flags[i]:
+                record["flags"] = dict(self.flags[i])
+            if len(self.weights):
+                record["weight"] = float(self.weights[i])
+            records.append(record)
+        return records
 
 
 def shape_grpo(
@@ -99,5 +114,31 @@ def shape_grpo(
     stats = {
         "advantage_abs_mean": float(np.mean(np.abs(adv))),
         "nonzero_advantage_frac": float(np.mean(np.abs(adv) > 0)),
+    }
+    return batch, stats
+
+
+def shape_duet(
+    rollouts: Rollouts, counts: list[int], cfg: Any, pad_id: int
+) -> tuple[TrainBatch, dict[str, float]]:
+    """DUET's weighted advantages (Eq. 6) in a padded batch; aborted rollouts get no loss tokens.
+
+    `counts[q]` is the number of consecutive rows of prompt q (the plan's counts, in request
+    order). GRPO advantages are taken over all rows of a prompt, aborted ones included, then
+    scaled by w = (1 - I_abort) / (s_pre * p_abort); the batch carries w * A. Sets
+    `rollouts.advantages` (unweighted, for the surrogate) and `rollouts.weights`.
+    """
+    du = cfg.algorithm.duet
+    weights, kept = duet.rollout_weights(counts, rollouts.flags, du.eps_pre, du.eps_abort)
+    adv, weighted = duet.duet_advantages(
+        rollouts.rewards, counts, weights, eps=cfg.algorithm.advantage_eps
+    )
+    rollouts.advantages, rollouts.weights = adv, weights
+    masks = [[bool(k)] * len(r) for k, r in zip(kept, rollouts.response_ids, strict=True)]
+    batch = build_batch(rollouts.prompt_ids, rollouts.response_ids, pad_id, loss_masks=masks)
+    batch.advantages = torch.as_tensor(weighted, dtype=torch.float32)
+    stats = {
+        "advantage_abs_mean": float(np.mean(np.abs(adv))),
+        "nonzero_advantage_frac": float(np.mean(np.abs(weighted) > 0)),
     }
     return batch, stats

@@ -1,4 +1,4 @@
-"""The `rlvr` command: train, resume, demo and plot.
+"""The `rlvr` command: train, resume, demo, plot, serve, calibrate, and DRO's filter and rubrics.
 
 `rlvr train` starts a local Ray cluster bound to 127.0.0.1, or joins the cluster named by
 RAY_ADDRESS (as `ray job submit` sets it). Configuration errors exit with status 2 before any
@@ -113,6 +113,63 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rlvr.serve_config import load_serve_config
+    from workflows.serve import prepare_serve, serve_forever
+
+    cfg = load_serve_config(args.config, args.set)
+    prepared = prepare_serve(cfg)  # bad checkpoint, calibration or grid fail here, before Ray
+    init_ray(cfg)
+    serve_forever(cfg, prepared)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from workflows.calibrate import run_calibrate
+
+    for name in ("k", "max_tokens", "m"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"invalid calibration input: --{name.replace('_', '-')} must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError("invalid calibration input: need --temperature >= 0, 0 < --top-p <= 1")
+    path, cal = run_calibrate(
+        args.checkpoint,
+        args.data,
+        adapter=args.adapter,
+        out=args.out,
+        backend=args.backend,
+        cal_fraction=args.cal_fraction,
+        seed=args.seed,
+        alphas=args.alpha,
+        max_model_len=args.max_model_len,
+        k=args.k,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        m=args.m,
+        spacing=args.spacing,
+    )
+    summary = cal.to_dict(args.alpha)
+    print(
+        json.dumps(
+            {"path": str(path)}
+            | {k: summary[k] for k in ("version", "n_cal", "accuracy", "calibrator", "grids")},
+            indent=2,
+        )
+    )
+    return 0
+
+
+def cmd_dro_offline(args: argparse.Namespace) -> int:
+    """`rlvr filter` / `rlvr rubrics`: DRO's offline passes, in this process."""
+    from workflows.dro_offline import run_filter, run_rubrics
+
+    cfg = load_config(args.config, args.set)
+    run = run_filter if args.command == "filter" else run_rubrics
+    print(json.dumps(run(cfg, Path(args.out) if args.out else None), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlvr", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -142,6 +199,55 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="write PNG curves of a run")
     pl.add_argument("run_dir")
     pl.set_defaults(fn=cmd_plot)
+
+    sv = sub.add_parser("serve", help="serve a checkpoint over HTTP behind the CSA release gate")
+    sv.add_argument("--config", help="serve YAML (see configs/serve-tiny.yaml)")
+    sv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    sv.set_defaults(fn=cmd_serve)
+
+    c = sub.add_parser("calibrate", help="fit the CSA score map and grid of a checkpoint")
+    c.add_argument("--checkpoint", required=True, help="'tiny', 'smollm2' or an HF directory")
+    c.add_argument(
+        "--data", required=True, help="JSONL/parquet problems, or a training preset YAML"
+    )
+    c.add_argument("--adapter", help="PEFT adapter merged into the checkpoint")
+    c.add_argument("--out", help="artefact path (default: csa_calibration.json beside it)")
+    c.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    c.add_argument("--k", type=int, default=5, help="self-consistency samples per problem")
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--max-model-len", type=int, default=1024)
+    c.add_argument("--cal-fraction", type=float, default=0.2, help="CAL share of the data")
+    c.add_argument("--seed", type=int, default=42, help="CAL split and sampling seed")
+    c.add_argument("--m", type=int, default=15, help="grid size")
+    c.add_argument("--spacing", choices=["geometric", "linear"], default="geometric")
+    c.add_argument(
+        "--alpha",
+        type=float,
+        nargs="+",
+        default=[0.05, 0.1, 0.15, 0.2, 0.25, 0.3],
+        help="budgets whose grids are written",
+    )
+    c.set_defaults(fn=cmd_calibrate)
+
+    for name, text, out in (
+        (
+            "filter",
+            "DRO query filter: score queries, write the retained dataset",
+            "directory (default: <run.output_dir>/<run.name>-filter)",
+        ),
+        (
+            "rubrics",
+            "DRO rubrics: write and validate each training query's rubrics",
+            "JSON file (default: the rubric cache training reads)",
+        ),
+    ):
+        dp = sub.add_parser(name, help=text)
+        dp.add_argument("--config", required=True, help="training preset with algorithm.dro")
+        dp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+        dp.add_argument("--out", help=f"output {out}")
+        dp.set_defaults(fn=cmd_dro_offline)
     return p
 
 

@@ -19,6 +19,7 @@ from actors.controller import NAMESPACE, ControllerActor, controller_name
 from actors.generator import GeneratorActor
 from actors.policy import PolicyActor
 from actors.verifier import VerifierActor, VerifierPool
+from rlvr import tandem_rollouts
 from rlvr.config import Config
 from workflows.workers import Worker
 
@@ -45,7 +46,7 @@ def torch_threads(cfg: Config) -> int:
 
 
 def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
-    t, lora = cfg.training, cfg.model.lora
+    t, lora, dro = cfg.training, cfg.model.lora, cfg.algorithm.dro
     return {
         "model_path": str(model_dir),
         "zero_stage": t.zero_stage,
@@ -56,11 +57,14 @@ def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         "micro_batch_size": t.micro_batch_size,
         "dtype": cfg.model.dtype,
         "seed": cfg.run.seed,
-        "kl_coef": t.kl_coef,
+        "kl_coef": dro.beta if dro.enabled else t.kl_coef,
         "clip_low": t.clip_low,
         "clip_high": t.clip_high,
         "loss_agg": t.loss_agg,
         "max_response_len": cfg.generation.max_tokens,
+        "loss": "dro" if dro.enabled else "grpo",
+        "rho_ent": dro.rho_ent,
+        "tandem": cfg.algorithm.tandem.enabled,
         "threads": torch_threads(cfg),
     }
 
@@ -80,6 +84,9 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
             cpu_threads=torch_threads(cfg),
             enforce_eager=g.enforce_eager,
         )
+    tandem = tandem_rollouts.generator_settings(cfg, model_dir)
+    if tandem is not None:
+        kw["tandem"] = tandem
     kw["threads"] = torch_threads(cfg)
     return kw
 
@@ -91,7 +98,10 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
             generator=Worker(GeneratorActor(**generator_kwargs(cfg, model_dir)), "GeneratorActor"),
             verifier=VerifierActor(cfg.verifier.timeout_s, num_workers=cfg.verifier.num_workers),
             controller=Worker(
-                ControllerActor(cfg.generation.group_size, cfg.laconic_dual()), "ControllerActor"
+                ControllerActor(
+                    cfg.generation.group_size, cfg.laconic_dual(), cfg.duet_controller()
+                ),
+                "ControllerActor",
             ),
         )
 
@@ -138,7 +148,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         .options(
             name=controller_name(cfg.run.name), namespace=NAMESPACE, num_cpus=0, get_if_exists=False
         )
-        .remote(cfg.generation.group_size, cfg.laconic_dual())
+        .remote(cfg.generation.group_size, cfg.laconic_dual(), cfg.duet_controller())
     )
     verifier = VerifierPool(
         r.num_verifiers,

@@ -21,19 +21,21 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from rlvr.algorithms import laconic
+from rlvr.algorithms import duet_control, laconic
 from rlvr.config import Config, ConfigError, check_model_for_backend, config_from_dict
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.metrics import group_stats, rollout_stats
 from rlvr.models import cache_dir, resolve_model_path
 from rlvr.models.sft import sft_warmup
-from rlvr.rollouts import Rollouts, shape_grpo
+from rlvr.rollouts import Rollouts, shape_duet, shape_grpo
 from rlvr.rundir import RunDir, atomic_write_text
+from rlvr.tandem_rollouts import shape_tandem
 from rlvr.tasks import load_task
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.tasks.sampler import PromptSampler
 from workflows.components import Components, start_components
+from workflows.dro_step import DroStep
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class Trainer:
     tokenizer: Any
     train_problems: list[Problem]
     test_problems: list[Problem]
+    dro: DroStep | None = None
+    """DRO's score / shape / evaluate phases when algorithm.dro.enabled."""
 
     def __post_init__(self) -> None:
         self.sampler = PromptSampler(
@@ -72,8 +76,16 @@ class Trainer:
 
     # --- phases ---------------------------------------------------------------------------------
     def generate(
-        self, problems: list[Problem], n: dict[str, int], params: SamplingParams, step: int
+        self,
+        problems: list[Problem],
+        n: dict[str, int],
+        params: SamplingParams,
+        step: int,
+        duet_stop: dict[str, Any] | None = None,
+        tandem: bool = False,
     ) -> Rollouts:
+        """Sample n[id] responses per problem; `duet_stop` runs DUET's stop rule in the engine;
+        `tandem` co-writes every response with the frozen junior."""
         base = params.seed if params.seed is not None else 0
         # each prompt its own seed stream: sample j of prompt i draws from base + STRIDE * i + j
         requests = [
@@ -82,7 +94,10 @@ class Trainer:
             )
             for i, p in enumerate(problems)
         ]
-        results = self.comps.generator.run("generate", requests, params, step=step)
+        extra = {"duet_stop": duet_stop} if duet_stop is not None else {}
+        if tandem:
+            extra["tandem"] = True
+        results = self.comps.generator.run("generate", requests, params, step=step, **extra)
         return Rollouts.from_results(results, {p.id: p.answer for p in problems})
 
     def score(self, rollouts: Rollouts) -> None:
@@ -111,6 +126,8 @@ class Trainer:
             "eval_samples": k,
             "eval_seconds": time.perf_counter() - t0,
         }
+        if self.dro is not None:
+            record.update(self.dro.evaluate(rollouts))
         self.run.append_eval(record)
         return record
 
@@ -121,7 +138,13 @@ class Trainer:
         t_start = time.perf_counter()
         problems = self.sampler.batch(step)
 
+        t = time.perf_counter()
         plan = comps.controller.run("plan_step", step, [p.id for p in problems], step=step)
+        times["time_plan"] = time.perf_counter() - t
+        duet_plan = plan.get("duet")
+        duet_stop = (
+            cfg.duet_stop(duet_plan["k1"], duet_plan["k2"], step) if duet_plan is not None else None
+        )
         params = SamplingParams(
             temperature=cfg.generation.temperature,
             top_p=cfg.generation.top_p,
@@ -129,17 +152,29 @@ class Trainer:
             seed=sampling_seed(cfg.run.seed, step),
         )
         t = time.perf_counter()
-        rollouts = self.generate(problems, plan["n"], params, step)
+        rollouts = self.generate(
+            problems, plan["n"], params, step, duet_stop, tandem=cfg.algorithm.tandem.enabled
+        )
         times["time_generate"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        self.score(rollouts)
+        if self.dro is not None:
+            self.dro.score(rollouts, step)  # R3 on the rollout weights, before the sync
+        else:
+            self.score(rollouts)
         times["time_verify"] = time.perf_counter() - t
 
         batch, shape_stats = self.shape(rollouts, plan, step)
 
         t = time.perf_counter()
-        train_stats = comps.policy.run("train_step", batch, step=step)
+        if batch.num_loss_tokens:
+            train_stats = comps.policy.run(
+                "train_step", batch, logprob_sums=duet_plan is not None, step=step
+            )
+        else:
+            # DUET aborted every rollout of the step: no loss token, so no update
+            train_stats = {"skipped": 1, "logprob_sums": [0.0] * len(batch)}
+        logprob_sums = train_stats.pop("logprob_sums", None)
         times["time_train"] = time.perf_counter() - t
 
         t = time.perf_counter()
@@ -151,6 +186,10 @@ class Trainer:
         metrics.update(group_stats(rollouts.rewards, rollouts.group_ids))
         metrics.update(shape_stats)
         metrics.update({f"train_{k}": v for k, v in train_stats.items()})
+        if duet_plan is not None:
+            t = time.perf_counter()
+            metrics.update(self.observe_duet(rollouts, step, logprob_sums))
+            times["time_duet_state"] = time.perf_counter() - t
         total = time.perf_counter() - t_start
         metrics.update(times)
         metrics["time_step"] = total
@@ -171,7 +210,28 @@ class Trainer:
     def shape(
         self, rollouts: Rollouts, plan: dict[str, Any], step: int
     ) -> tuple[Any, dict[str, Any]]:
-        """Advantages and the training batch; LACONIC first turns rewards into its Lagrangian."""
+        """Advantages and the training batch; LACONIC first turns rewards into its Lagrangian,
+        DUET weights them and masks aborted rollouts out; DRO keeps the rubric-accepted groups."""
+        if self.dro is not None:
+            return self.dro.shape(rollouts)
+        if self.cfg.algorithm.tandem.enabled:
+            return shape_tandem(rollouts, self.cfg, pad_id=self.tokenizer.pad_token_id)
+        if "duet" in plan:
+            du = self.cfg.algorithm.duet
+            batch, stats = shape_duet(
+                rollouts, plan["duet"]["counts"], self.cfg, pad_id=self.tokenizer.pad_token_id
+            )
+            stats.update(
+                duet_control.step_metrics(
+                    plan["duet"],
+                    rollouts.flags,
+                    rollouts.weights,
+                    rollouts.lengths,
+                    du.n_min,
+                    du.n_max,
+                )
+            )
+            return batch, stats
         lam = plan.get("laconic_lambda")
         if lam is None:
             return shape_grpo(rollouts, self.cfg, pad_id=self.tokenizer.pad_token_id)
@@ -193,13 +253,37 @@ class Trainer:
         )
         return batch, stats
 
+    def observe_duet(
+        self, rollouts: Rollouts, step: int, logprob_sums: list[float]
+    ) -> dict[str, Any]:
+        """Fold the step's rollouts into DUET's per-prompt state and K1/K2 window (once)."""
+        kept = [not f.get("aborted", False) for f in rollouts.flags]
+        epoch_end = self.sampler.epoch_of(step + 1) > self.sampler.epoch_of(step)
+        return self.comps.controller.run(
+            "update_duet_state",
+            step,
+            rollouts.group_ids,
+            rollouts.advantages.tolist(),
+            logprob_sums,
+            rollouts.lengths,
+            kept,
+            epoch_end,
+            step=step,
+        )
+
     def sync_weights(self, step: int | None = None) -> None:
         """Push the policy's current weights into the generator without restarting the engine."""
         weights = self.comps.policy.call("export_weights")
         self.comps.generator.run("update_weights", weights, step=step)
 
     def persist(self, step: int, metrics: dict[str, Any], best_step: int | None) -> None:
-        """Commit step `step`: policy + optimizer state, controller state, then the metrics line."""
+        """Commit step `step`: its log lines, then policy + optimizer and controller state.
+
+        Logs go first: a crash before the checkpoint commits leaves lines that resume truncates,
+        while the reverse order could lose a committed step's lines for good.
+        """
+        self.run.append_metrics(_json_safe(metrics))
+        self.run.append_rollouts(self._last_rollouts.records(step))
         with self.run.writing_checkpoint(step) as d:
             self.comps.policy.run("save_state", str(d / "policy"), step=step)
             state = self.comps.controller.run("state_dict", step=step)
@@ -207,8 +291,6 @@ class Trainer:
             atomic_write_text(
                 d / "progress.json", json.dumps({"step": step, "best_step": best_step})
             )
-        self.run.append_metrics(_json_safe(metrics))
-        self.run.append_rollouts(self._last_rollouts.records(step))
         self.run.prune(self.cfg.run.keep_last, keep={best_step} if best_step is not None else set())
 
     def restore(self, step: int) -> int | None:
@@ -291,7 +373,23 @@ def train(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     comps = start_components(cfg, model_dir, use_actors=use_actors)
-    trainer = Trainer(cfg, run, comps, tokenizer, train_problems, test_problems)
+    dro_step = None
+    if cfg.algorithm.dro.enabled:
+        try:
+            dro_step = DroStep.start(
+                cfg,
+                model_dir,
+                comps,
+                tokenizer,
+                train_problems,
+                test_problems,
+                use_actors=use_actors,
+                history=run.read_metrics(),
+            )
+        except BaseException:
+            comps.shutdown()
+            raise
+    trainer = Trainer(cfg, run, comps, tokenizer, train_problems, test_problems, dro=dro_step)
     writer = SummaryWriter(str(run.tb_dir), purge_step=start)
     try:
         best_step, best_acc = None, -1.0

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from rlvr.algorithms.tandem import WordSwitchSchedule
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class Sample:
     finish_reason: str
     """'stop' (EOS or stop rule), 'length' (max_tokens), or 'abort'."""
     flags: dict[str, Any] = field(default_factory=dict)
+    authorship: list[int] | None = None
+    """Tandem rollouts only: the author of each token (1 = senior, 0 = junior), same length as
+    `token_ids`; the schedule's counters are in `flags["tandem"]`."""
 
 
 @dataclass
@@ -92,7 +98,11 @@ class GenerationBackend(Protocol):
         requests: Sequence[GenerationRequest],
         params: SamplingParams,
         stop_rule_factory: StopRuleFactory | None = None,
-    ) -> list[GenerationResult]: ...
+        schedule: WordSwitchSchedule | None = None,
+    ) -> list[GenerationResult]:
+        """Sample every request; `schedule` makes each sample a Tandem rollout co-written with
+        the backend's junior (backends started with one)."""
+        ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the engine's weights in place (HF parameter names) without restarting it."""

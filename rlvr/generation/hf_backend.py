@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 
+from rlvr.algorithms.tandem import JUNIOR, WordSwitchSchedule
 from rlvr.generation.base import (
     GenerationRequest,
     GenerationResult,
@@ -21,11 +22,20 @@ from rlvr.generation.base import (
     sample_seed,
 )
 from rlvr.generation.stop_rules import StopRuleTracker
+from rlvr.generation.tandem_support import (
+    AuthorTracker,
+    check_same_tokenizer,
+    draw_tokens,
+    tandem_seed,
+)
 
 GREEDY_EPS = 1e-5
 """Temperatures below this decode greedily (vLLM's threshold)."""
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+_Job = tuple[list[int], int | None, StopRuleTracker | None, AuthorTracker | None]
+"""One sample to generate: prompt ids, seed, stop-rule tracker, tandem author tracker."""
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -73,12 +83,25 @@ def check_weight_names(names: Iterable[str], required: set[str], allowed: set[st
         )
 
 
+def scored_positions(positions: Iterable[int], length: int) -> list[int]:
+    """`positions` as ints, checked to lie in 1..length-1 (position 0 has no prediction)."""
+    out = [int(t) for t in positions]
+    if out and (min(out) < 1 or max(out) >= length):
+        raise ValueError(f"positions {min(out)}..{max(out)} outside 1..{length - 1}")
+    return out
+
+
 class HFBackend:
     """`GenerationBackend` over a transformers causal LM (`device` "cpu" or "cuda").
 
     Samples are generated in batches of at most `max_batch_size`; a sample that ends (EOS, its
     stop rule, or max_tokens) leaves the batch and its KV cache rows are dropped. Seeds, log-probs,
     finish reasons and stop rules follow `VLLMBackend`'s conventions, so the two are interchangeable.
+
+    With `junior_path` it also holds Tandem's frozen junior and `generate(..., schedule=...)`
+    co-writes every sample in lockstep: both models run on every token with their own KV caches,
+    the author's logits are sampled by the tandem seeding contract (`draw_tokens`), and
+    `load_weights` replaces the senior only.
     """
 
     def __init__(
@@ -88,6 +111,7 @@ class HFBackend:
         dtype: str = "float32",
         device: str = "cpu",
         max_batch_size: int = 64,
+        junior_path: str | Path | None = None,
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -108,17 +132,26 @@ class HFBackend:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = self.eos_token_id if pad is None else pad
         self._required_names, self._allowed_names = hf_weight_names(self.model.config)
+        self.junior = None
+        if junior_path is not None:
+            check_same_tokenizer(self.model_path, junior_path)
+            junior = AutoModelForCausalLM.from_pretrained(junior_path, dtype=_DTYPES[dtype])
+            self.junior = junior.to(self.device).eval().requires_grad_(False)
 
     def generate(
         self,
         requests: Sequence[GenerationRequest],
         params: SamplingParams,
         stop_rule_factory: StopRuleFactory | None = None,
+        schedule: WordSwitchSchedule | None = None,
     ) -> list[GenerationResult]:
-        """Sample `n` responses per request (sample j seeded params.seed + j)."""
+        """Sample `n` responses per request (sample j seeded params.seed + j); `schedule`
+        co-writes every sample with the junior (a Tandem rollout)."""
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        jobs: list[tuple[list[int], int | None, StopRuleTracker | None]] = []
+        if schedule is not None and self.junior is None:
+            raise ValueError("tandem generation needs a junior: start the backend with junior_path")
+        jobs: list[_Job] = []
         for i, request in enumerate(requests):
             if request.n < 0:
                 raise ValueError(f"request {request.request_id!r}: n must be >= 0, got {request.n}")
@@ -127,7 +160,11 @@ class HFBackend:
                 if stop_rule_factory is not None:
                     tracker = StopRuleTracker(stop_rule_factory(i, j), self.eos_token_id)
                 seed = sample_seed(request, params, j)
-                jobs.append((list(request.prompt_ids), seed, tracker))
+                author = None
+                if schedule is not None:
+                    seed = tandem_seed(seed)
+                    author = AuthorTracker(schedule, seed, params.temperature, params.top_p)
+                jobs.append((list(request.prompt_ids), seed, tracker, author))
         samples: list[Sample] = []
         for start in range(0, len(jobs), self.max_batch_size):
             samples.extend(self._generate_batch(jobs[start : start + self.max_batch_size], params))
@@ -144,16 +181,12 @@ class HFBackend:
         return results
 
     @torch.inference_mode()
-    def _generate_batch(
-        self,
-        jobs: list[tuple[list[int], int | None, StopRuleTracker | None]],
-        params: SamplingParams,
-    ) -> list[Sample]:
+    def _generate_batch(self, jobs: list[_Job], params: SamplingParams) -> list[Sample]:
         n = len(jobs)
-        width = max(len(prompt) for prompt, _, _ in jobs)
+        width = max(len(job[0]) for job in jobs)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((n, width), dtype=torch.long)
-        for row, (prompt, _, _) in enumerate(jobs):
+        for row, (prompt, *_) in enumerate(jobs):
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt) :] = 1
         input_ids = input_ids.to(self.device)
@@ -162,33 +195,50 @@ class HFBackend:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         generators = [
             None if seed is None else torch.Generator(self.device).manual_seed(seed)
-            for _, seed, _ in jobs
+            for _, seed, _, _ in jobs
         ]
+        authors = [job[3] for job in jobs]
+        tandem = authors[0] is not None
+        models = [self.model, self.junior] if tandem else [self.model]
         responses: list[list[int]] = [[] for _ in jobs]
         logprobs: list[list[float]] = [[] for _ in jobs]
         finish: list[str] = ["length"] * n
         active = list(range(n))
-        cache = DynamicCache(config=self.model.config)
+        caches = [DynamicCache(config=model.config) for model in models]
         step_ids, step_positions = input_ids, position_ids
         while active:
-            logits = self.model(
-                input_ids=step_ids,
-                attention_mask=attention_mask,
-                position_ids=step_positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1, :]
-            logits = logits.float()
+            # Lockstep: every model sees every token, so each cache always holds the shared prefix.
+            all_logits = [
+                model(
+                    input_ids=step_ids,
+                    attention_mask=attention_mask,
+                    position_ids=step_positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                .logits[:, -1, :]
+                .float()
+                for model, cache in zip(models, caches, strict=True)
+            ]
+            logits = all_logits[0]
+            if tandem:
+                for row, job in enumerate(active):
+                    if authors[job].observe(responses[job]) == JUNIOR:
+                        logits[row] = all_logits[1][row]
             for row, job in enumerate(active):
                 tracker = jobs[job][2]
                 if tracker is not None and tracker.observe(responses[job]):
                     logits[row] = float("-inf")
                     logits[row, self.eos_token_id] = 0.0
             step_logprobs = processed_logprobs(logits, params.temperature, params.top_p)
-            tokens = self._sample(
-                step_logprobs, params.temperature, [generators[j] for j in active]
-            )
+            if tandem:
+                drawn, _ = draw_tokens(logits, [authors[job] for job in active])
+                tokens = torch.tensor(drawn, device=logits.device)
+            else:
+                tokens = self._sample(
+                    step_logprobs, params.temperature, [generators[j] for j in active]
+                )
             chosen = step_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
             keep: list[int] = []
             for row, (job, token, logprob) in enumerate(
@@ -204,7 +254,8 @@ class HFBackend:
                 if not keep:
                     break
                 rows = torch.tensor(keep, device=self.device)
-                cache.reorder_cache(rows)
+                for cache in caches:
+                    cache.reorder_cache(rows)
                 attention_mask = attention_mask[rows]
                 step_positions = step_positions[rows]
                 tokens = tokens[rows]
@@ -214,16 +265,24 @@ class HFBackend:
             )
             step_positions = step_positions[:, -1:] + 1
             step_ids = tokens.unsqueeze(1)
-        return [
-            Sample(
-                token_ids=responses[job],
-                text=self.tokenizer.decode(responses[job], skip_special_tokens=True),
-                logprobs=logprobs[job],
-                finish_reason=finish[job],
-                flags=jobs[job][2].flags() if jobs[job][2] is not None else {},
+        samples = []
+        for job, (_, _, tracker, author) in enumerate(jobs):
+            flags = tracker.flags() if tracker is not None else {}
+            authorship = None
+            if author is not None:
+                authorship = author.finish(responses[job])
+                flags.update(author.flags())
+            samples.append(
+                Sample(
+                    token_ids=responses[job],
+                    text=self.tokenizer.decode(responses[job], skip_special_tokens=True),
+                    logprobs=logprobs[job],
+                    finish_reason=finish[job],
+                    flags=flags,
+                    authorship=authorship,
+                )
             )
-            for job in range(n)
-        ]
+        return samples
 
     @staticmethod
     def _sample(
@@ -241,6 +300,42 @@ class HFBackend:
             if generator is not None:
                 tokens[row] = torch.multinomial(probs[row], 1, generator=generator).squeeze(0)
         return tokens
+
+    @torch.inference_mode()
+    def score_logprobs(
+        self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) at each t of `positions[i]` (raw logits, full vocabulary).
+
+        The same quantity as `VLLMBackend.score_logprobs`, from right-padded teacher-forced
+        forwards of at most `max_batch_size` sequences.
+        """
+        out: list[list[float]] = []
+        for start in range(0, len(sequences), self.max_batch_size):
+            chunk = sequences[start : start + self.max_batch_size]
+            width = max(len(s) for s in chunk)
+            input_ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, seq in enumerate(chunk):
+                input_ids[row, : len(seq)] = torch.tensor([int(t) for t in seq])
+                attention_mask[row, : len(seq)] = 1
+            logits = (
+                self.model(
+                    input_ids=input_ids.to(self.device),
+                    attention_mask=attention_mask.to(self.device),
+                    use_cache=False,
+                )
+                .logits[:, :-1]
+                .float()
+            )
+            targets = input_ids[:, 1:, None].to(self.device)
+            picked = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+            picked = picked.cpu()
+            for row, seq in enumerate(chunk):
+                pos = scored_positions(positions[start + row], len(seq))
+                # picked[:, t - 1] predicts token t from its prefix.
+                out.append(picked[row, [t - 1 for t in pos]].tolist())
+        return out
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy new weights into the model in place; names must be exactly the HF parameter names

@@ -11,13 +11,12 @@ import os
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import AutoConfig
 from vllm import LLM
 from vllm import SamplingParams as VLLMSamplingParams
-from vllm.config import VllmConfig
 from vllm.inputs import TokensPrompt
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     UnquantizedEmbeddingMethod,
@@ -25,8 +24,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.platforms import current_platform
 from vllm.v1.engine.core_client import InprocClient
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+from vllm.v1.sample.logits_processor import LogitsProcessor
 
+from rlvr.algorithms.tandem import WordSwitchSchedule
+from rlvr.generation import tandem_vllm
 from rlvr.generation.base import (
     GenerationRequest,
     GenerationResult,
@@ -35,8 +36,10 @@ from rlvr.generation.base import (
     StopRuleFactory,
     sample_seed,
 )
-from rlvr.generation.hf_backend import check_weight_names, hf_weight_names
+from rlvr.generation.hf_backend import check_weight_names, hf_weight_names, scored_positions
 from rlvr.generation.stop_rules import StopRuleTracker
+from rlvr.generation.tandem_support import AuthorTracker, check_same_tokenizer, tandem_seed
+from rlvr.generation.vllm_rows import RowTrackingLogitsProcessor, real_token_count
 
 _STOP_RULE_KEY = "rlvr_stop_rule"
 """Key in vLLM's SamplingParams.extra_args naming the sample's tracker in `_ACTIVE_TRACKERS`."""
@@ -48,49 +51,11 @@ _STOP_RULE_KEY = "rlvr_stop_rule"
 _ACTIVE_TRACKERS: dict[str, StopRuleTracker] = {}
 
 
-class ForcedEOSLogitsProcessor(LogitsProcessor):
-    """V1 batch logits processor: in rows whose stop rule fired, every logit but EOS becomes -inf.
+class ForcedEOSLogitsProcessor(RowTrackingLogitsProcessor):
+    """In rows whose stop rule fired, every logit but EOS becomes -inf."""
 
-    vLLM builds one instance per engine and tells it how requests enter, leave and move between
-    rows of its persistent batch (`update_state`); the processor keeps row -> (tracker, live output
-    ids). The rule is consulted in `apply`, which runs right before sampling, when the output ids
-    are final for this step (with async scheduling on GPUs, `update_state` may still see
-    placeholders). It is not argmax-invariant: vLLM must apply it before greedy sampling too.
-    """
-
-    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
-        self._rows: dict[int, tuple[StopRuleTracker, list[int]]] = {}
-
-    def is_argmax_invariant(self) -> bool:
-        """Forcing EOS changes the argmax, so greedy rows must see it as well."""
-        return False
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        """Follow the persistent batch; BatchUpdate is applied in its documented order:
-        removed, then added (which may reuse a freed row), then moved."""
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self._rows.pop(index, None)
-        for index, params, _prompt_ids, output_ids in batch_update.added:
-            key = (params.extra_args or {}).get(_STOP_RULE_KEY)
-            if key is None:
-                self._rows.pop(index, None)
-                continue
-            tracker = _ACTIVE_TRACKERS.get(key)
-            if tracker is None:
-                raise RuntimeError(
-                    f"stop rule {key!r} is not registered: the engine core is not in this process "
-                    "or the request outlived its generate() call"
-                )
-            self._rows[index] = (tracker, output_ids)
-        for a, b, direction in batch_update.moved:
-            entry_a = self._rows.pop(a, None)
-            entry_b = self._rows.pop(b, None)
-            if entry_a is not None:
-                self._rows[b] = entry_a
-            if direction == MoveDirectionality.SWAP and entry_b is not None:
-                self._rows[a] = entry_b
+    extra_arg: ClassVar[str] = _STOP_RULE_KEY
+    registry: ClassVar[dict[str, Any]] = _ACTIVE_TRACKERS
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Consult each tracked rule on the tokens produced since the last step; force EOS where
@@ -98,7 +63,7 @@ class ForcedEOSLogitsProcessor(LogitsProcessor):
         rows: list[int] = []
         eos_ids: list[int] = []
         for row, (tracker, output_ids) in self._rows.items():
-            if tracker.observe(output_ids, _real_token_count(output_ids)):
+            if tracker.observe(output_ids, real_token_count(output_ids)):
                 rows.append(row)
                 eos_ids.append(tracker.eos_token_id)
         if rows:
@@ -106,14 +71,6 @@ class ForcedEOSLogitsProcessor(LogitsProcessor):
             logits[row_index] = float("-inf")
             logits[row_index, torch.tensor(eos_ids, device=logits.device)] = 0.0
         return logits
-
-
-def _real_token_count(output_ids: list[int]) -> int:
-    """Length of `output_ids` without trailing -1 placeholders (vLLM async scheduling)."""
-    n = len(output_ids)
-    while n and output_ids[n - 1] < 0:
-        n -= 1
-    return n
 
 
 def _refresh_embedding_gemms(model: torch.nn.Module) -> None:
@@ -148,6 +105,12 @@ class VLLMBackend:
     Log-probs come from `logprobs_mode="processed_logprobs"`: the distribution actually sampled
     from, after temperature and top-p (and a forced EOS, whose log-prob is therefore 0). For
     greedy decoding (temperature 0) they are log_softmax of the raw logits.
+
+    With `junior_path` the engine runs the Tandem combined model (`tandem_vllm`): the senior from
+    `model_path` (the weights `load_weights` replaces) and a frozen junior that no call changes.
+    `generate(..., schedule=...)` then co-writes every sample (authorship in `Sample.authorship`,
+    log-probs under each token's author); without a schedule the senior writes alone, at the
+    cost of a junior forward per step.
     """
 
     _open_engines = 0
@@ -165,6 +128,7 @@ class VLLMBackend:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         cpu_threads: int | None = None,
+        junior_path: str | Path | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine on an HF-format directory.
@@ -172,9 +136,13 @@ class VLLMBackend:
         kv_cache_gib fixes the KV cache size (vLLM's kv_cache_memory_bytes, which is what
         VLLM_CPU_KVCACHE_SPACE sets on CPU); None lets vLLM size it (gpu_memory_utilization on
         GPUs). cpu_threads caps the cores vLLM's CPU kernels bind to (default: all of this
-        process's cores). engine_kwargs go to `vllm.LLM` unchanged (e.g. tensor_parallel_size, max_num_seqs).
+        process's cores). junior_path adds Tandem's frozen junior (its tokenizer must equal the
+        senior's). engine_kwargs go to `vllm.LLM` unchanged (e.g. tensor_parallel_size, max_num_seqs).
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The logits processors here implement the V1 runner's interface; where Triton exists
+        # (GPUs) vLLM would otherwise pick Model Runner V2, which refuses V1-interface processors.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         if current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # vLLM's automatic binding keeps one core free for a separate scheduler process; the
             # engine core runs in this process, so bind the compute threads to all given cores.
@@ -188,6 +156,15 @@ class VLLMBackend:
             # the request's seeded generator; CPU generators cannot rewind ("CPU Generator does not
             # use offset"), so seeded sampling crashes once prompts are chunked. Whole prompts only.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
+        self.junior_path = None if junior_path is None else Path(junior_path)
+        logits_processors: list[type[LogitsProcessor]] = [ForcedEOSLogitsProcessor]
+        if self.junior_path is not None:
+            check_same_tokenizer(self.model_path, self.junior_path)
+            engine_kwargs["hf_overrides"] = tandem_vllm.engine_overrides(
+                self.model_path, self.junior_path
+            )
+            # The author's logits must be in place before a stop rule forces EOS.
+            logits_processors.insert(0, tandem_vllm.TandemAuthorLogitsProcessor)
         self._llm: LLM | None = LLM(
             str(self.model_path),
             dtype=dtype,
@@ -197,7 +174,7 @@ class VLLMBackend:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",
-            logits_processors=[ForcedEOSLogitsProcessor],
+            logits_processors=logits_processors,
             **engine_kwargs,
         )
         if not isinstance(self._llm.llm_engine.engine_core, InprocClient):
@@ -226,61 +203,96 @@ class VLLMBackend:
         requests: Sequence[GenerationRequest],
         params: SamplingParams,
         stop_rule_factory: StopRuleFactory | None = None,
+        schedule: WordSwitchSchedule | None = None,
     ) -> list[GenerationResult]:
-        """Sample `n` responses per request; see the class docstring for seeds and log-probs."""
+        """Sample `n` responses per request; see the class docstring for seeds and log-probs.
+
+        `schedule` co-writes every sample with the junior (a Tandem rollout; the backend must
+        have been started with `junior_path`); it does not combine with stop rules.
+        """
+        if schedule is not None:
+            if self.junior_path is None:
+                raise ValueError(
+                    "tandem generation needs a junior: start the backend with junior_path"
+                )
+            if stop_rule_factory is not None:
+                raise ValueError("stop rules and tandem generation cannot be combined")
         prompts: list[TokensPrompt] = []
         sampling: list[VLLMSamplingParams] = []
         trackers: list[StopRuleTracker | None] = []
-        keys: list[str] = []
+        authors: list[AuthorTracker | None] = []
+        registered: list[tuple[dict[str, Any], str]] = []
+
+        def register(registry: dict[str, Any], entry: Any) -> str:
+            key = uuid.uuid4().hex
+            registry[key] = entry
+            registered.append((registry, key))
+            return key
+
         for i, request in enumerate(requests):
             if request.n < 0:
                 raise ValueError(f"request {request.request_id!r}: n must be >= 0, got {request.n}")
             for j in range(request.n):
-                extra_args = None
-                tracker = None
+                extra_args: dict[str, Any] = {}
+                tracker = author = None
+                seed = sample_seed(request, params, j)
                 if stop_rule_factory is not None:
                     tracker = StopRuleTracker(stop_rule_factory(i, j), self.eos_token_id)
-                    key = uuid.uuid4().hex
-                    _ACTIVE_TRACKERS[key] = tracker
-                    keys.append(key)
-                    extra_args = {_STOP_RULE_KEY: key}
+                    extra_args[_STOP_RULE_KEY] = register(_ACTIVE_TRACKERS, tracker)
+                if schedule is not None:
+                    seed = tandem_seed(seed)
+                    author = AuthorTracker(schedule, seed, params.temperature, params.top_p)
+                    extra_args[tandem_vllm.AUTHOR_KEY] = register(
+                        tandem_vllm.ACTIVE_AUTHORS, author
+                    )
                 trackers.append(tracker)
+                authors.append(author)
                 prompts.append(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
                 sampling.append(
                     VLLMSamplingParams(
                         temperature=params.temperature,
                         top_p=params.top_p,
                         max_tokens=params.max_tokens,
-                        seed=sample_seed(request, params, j),
+                        seed=seed,
                         logprobs=0,
                         detokenize=False,
-                        extra_args=extra_args,
+                        extra_args=extra_args or None,
                     )
                 )
         try:
             outputs = self.llm.generate(prompts, sampling, use_tqdm=False) if prompts else []
         finally:
-            for key in keys:
-                del _ACTIVE_TRACKERS[key]
+            for registry, key in registered:
+                del registry[key]
 
         results: list[GenerationResult] = []
-        flat = iter(zip(outputs, trackers, strict=True))
+        flat = iter(zip(outputs, trackers, authors, strict=True))
         for request in requests:
             samples = []
             for _ in range(request.n):
-                output, tracker = next(flat)
+                output, tracker, author = next(flat)
                 completion = output.outputs[0]
                 token_ids = list(completion.token_ids)
+                logprobs = [
+                    position[token].logprob
+                    for position, token in zip(completion.logprobs, token_ids, strict=True)
+                ]
+                flags = tracker.flags() if tracker is not None else {}
+                authorship = None
+                if author is not None:
+                    authorship = author.finish(token_ids)
+                    flags.update(author.flags())
+                    if author.logprobs:
+                        # the author tracker drew the tokens (CPU); vLLM saw them forced
+                        logprobs = author.logprobs
                 samples.append(
                     Sample(
                         token_ids=token_ids,
                         text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
-                        logprobs=[
-                            position[token].logprob
-                            for position, token in zip(completion.logprobs, token_ids, strict=True)
-                        ],
+                        logprobs=logprobs,
                         finish_reason=completion.finish_reason,
-                        flags=tracker.flags() if tracker is not None else {},
+                        flags=flags,
+                        authorship=authorship,
                     )
                 )
             results.append(
@@ -292,19 +304,49 @@ class VLLMBackend:
             )
         return results
 
+    def score_logprobs(
+        self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) at each t of `positions[i]`, one prefill per sequence.
+
+        vLLM prompt log-probs: log_softmax of the raw logits over the full vocabulary, so neither
+        temperature nor top-p enter (DRO's teacher-forced self-certainty, `dro.md` 2.1). Requests
+        with prompt log-probs bypass the prefix cache, so nothing computed with other weights is
+        read; one throwaway token is sampled per sequence.
+        """
+        limit = self.llm.llm_engine.model_config.max_model_len
+        too_long = [len(s) for s in sequences if len(s) >= limit]
+        if too_long:
+            raise ValueError(
+                f"scoring sequences of {max(too_long)} tokens exceed max_model_len={limit} - 1"
+            )
+        prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in s]) for s in sequences]
+        params = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        out = []
+        for seq, pos, output in zip(sequences, positions, outputs, strict=True):
+            row = output.prompt_logprobs
+            out.append([row[t][int(seq[t])].logprob for t in scored_positions(pos, len(seq))])
+        return out
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace all weights in place (HF names, e.g. from the trainer's named_parameters()).
 
         Every parameter of the HF model must be present: vLLM fuses q/k/v and gate/up into one
         tensor, and a partial set would leave the rest of a fused tensor undefined. Uses vLLM's
         own `reload_weights` (the model's load_weights plus post-load repacking), then drops the
-        prefix cache so no KV computed with the old weights is reused.
+        prefix cache so no KV computed with the old weights is reused. On a tandem engine only
+        the senior is reloaded; the junior keeps its weights.
         """
         weights = list(named_tensors)
         check_weight_names([name for name, _ in weights], self._required_names, self._allowed_names)
         llm = self.llm
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        llm.apply_model(_refresh_embedding_gemms)
+        if self.junior_path is None:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            llm.apply_model(_refresh_embedding_gemms)
+        else:
+            llm.collective_rpc(tandem_vllm.reload_senior, args=(weights,))
+            llm.apply_model(lambda model: _refresh_embedding_gemms(model.senior))
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
 

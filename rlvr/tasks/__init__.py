@@ -1,4 +1,5 @@
-"""Verifiable tasks: the procedural arithmetic task and user datasets, chosen by config."""
+"""Tasks chosen by config: procedural arithmetic, procedural explain-then-answer (reference answers,
+no verifier), and user datasets with gold answers or with reference answers."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from typing import Any
 
 from rlvr.tasks.arithmetic import ArithmeticDifficulty, ArithmeticTask
 from rlvr.tasks.base import Problem
-from rlvr.tasks.loaders import load_problems
+from rlvr.tasks.explain import ExplainTask
+from rlvr.tasks.loaders import load_problems, load_reference_problems
 
 
 def load_task(task_cfg: Any) -> tuple[list[Problem], list[Problem]]:
@@ -22,12 +24,26 @@ def load_task(task_cfg: Any) -> tuple[list[Problem], list[Problem]]:
             n_test=task_cfg.n_test,
         )
         return task.problems("train", task_cfg.n_train), task.problems("test", task_cfg.n_test)
-    train = load_problems(task_cfg.train_path)
-    test = load_problems(task_cfg.test_path) if task_cfg.test_path else []
+    if task_cfg.name == "explain":
+        task = ExplainTask(
+            seed=task_cfg.seed, n_test=task_cfg.n_test, max_operand=task_cfg.difficulty.max_operand
+        )
+        return task.problems("train", task_cfg.n_train), task.problems("test", task_cfg.n_test)
+    load = load_reference_problems if task_cfg.name == "reference_file" else load_problems
+    train = load(task_cfg.train_path)
+    test = load(task_cfg.test_path) if task_cfg.test_path else []
     if not test:
         cut = max(1, min(task_cfg.n_test, len(train) // 5))
         train, test = train[:-cut], train[-cut:]
     return train, test
 
 
-__all__ = ["ArithmeticDifficulty", "ArithmeticTask", "Problem", "load_problems", "load_task"]
+__all__ = [
+    "ArithmeticDifficulty",
+    "ArithmeticTask",
+    "ExplainTask",
+    "Problem",
+    "load_problems",
+    "load_reference_problems",
+    "load_task",
+]

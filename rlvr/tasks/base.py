@@ -15,3 +15,6 @@ class Problem:
     """Gold final answer, as text (compared by the math verifier)."""
     solution: str = ""
     """Reference solution ending in \\boxed{answer}; used for SFT warm-up and DRO references."""
+    reference: str = ""
+    """Reference final answer for reference-based rewards (DRO): the text teacher-forced after a
+    rollout's CoT. Empty: the tail of `solution` after the configured CoT/answer delimiter."""

@@ -2,6 +2,8 @@
 
 GSM8K-style answers ("reasoning ... #### 42") and MATH-style answers (a solution ending in
 \\boxed{...}) are recognised: the gold answer is extracted and the reasoning kept as the solution.
+Reference-answer data with no verifier (fields id, prompt, reference) loads with
+`load_reference_problems`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +108,8 @@ def _parquet(path: Path) -> list[tuple[int, Any]]:
     return list(enumerate(rows, start=1))
 
 
-def load_problems(path: str | Path) -> list[Problem]:
-    """All problems of a JSON-lines (.jsonl/.json) or .parquet file, in file order.
-
-    Every error is a ValueError naming the file and, for a bad record, its row (the line number
-    in a JSON-lines file, the 1-based row in a parquet file).
-    """
+def _load(path: str | Path, parse: Callable[[Any, str], Problem]) -> list[Problem]:
+    """Every record of a JSON-lines or parquet file through `parse`, ids checked unique."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: dataset file not found")
@@ -125,7 +124,7 @@ def load_problems(path: str | Path) -> list[Problem]:
     problems = []
     first_row: dict[str, int] = {}
     for row, record in records:
-        problem = _problem(record, f"{path}: row {row}")
+        problem = parse(record, f"{path}: row {row}")
         if problem.id in first_row:
             raise ValueError(
                 f"{path}: row {row}: duplicate id {problem.id!r} (first at row {first_row[problem.id]})"
@@ -133,3 +132,56 @@ def load_problems(path: str | Path) -> list[Problem]:
         first_row[problem.id] = row
         problems.append(problem)
     return problems
+
+
+def load_problems(path: str | Path) -> list[Problem]:
+    """All problems of a JSON-lines (.jsonl/.json) or .parquet file, in file order.
+
+    Every error is a ValueError naming the file and, for a bad record, its row (the line number
+    in a JSON-lines file, the 1-based row in a parquet file).
+    """
+    return _load(path, _problem)
+
+
+REFERENCE_REQUIRED = ("id", "prompt", "reference")
+
+
+def _reference_problem(record: Any, where: str) -> Problem:
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{where}: expected an object with fields {list(REFERENCE_REQUIRED)}, "
+            f"got {type(record).__name__}"
+        )
+    missing = [k for k in REFERENCE_REQUIRED if _missing(record.get(k))]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {missing}")
+    _check_type(record, "id", (str, int), where)
+    for key in ("prompt", "reference", "solution"):
+        if not _missing(record.get(key)):
+            _check_type(record, key, (str,), where)
+    if not _missing(record.get("answer")):
+        _check_type(record, "answer", (str, int, float), where)
+    for key in ("prompt", "reference"):
+        if not record[key].strip():
+            raise ValueError(f"{where}: field {key!r} is empty")
+    answer = "" if _missing(record.get("answer")) else str(record["answer"]).strip()
+    solution = "" if _missing(record.get("solution")) else record["solution"].strip()
+    return Problem(
+        id=str(record["id"]),
+        prompt=record["prompt"],
+        answer=answer,
+        solution=solution,
+        reference=record["reference"],
+    )
+
+
+def load_reference_problems(path: str | Path) -> list[Problem]:
+    """Problems with a free-text reference answer and no verifier (DRO data), in file order.
+
+    JSON lines or parquet with fields id, prompt and `reference` (the reference final answer,
+    kept verbatim, whitespace included, because it is tokenized as it stands), plus optional
+    `answer` (a gold answer for exact evaluation, when one exists) and `solution` (a worked
+    solution for SFT warm-up). Note the difference from `load_problems`, where `reference` is an
+    alias of `solution`. Errors name the file and row as `load_problems` does.
+    """
+    return _load(path, _reference_problem)

@@ -20,7 +20,8 @@ class TrainBatch:
     ``response_mask`` is True exactly on response tokens that receive loss (never on prompt or
     padding tokens). The optional per-sequence ``advantages`` / ``weights`` (``[B]``) and per-token
     ``old_logp`` / ``ref_logp`` (``[B, T]``, same alignment as the module docstring) are filled in by
-    the caller or by the trainer before the loss.
+    the caller or by the trainer before the loss. A Tandem batch also carries ``authorship``, which
+    the policy turns into its senior-only loss mask.
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -30,6 +31,7 @@ class TrainBatch:
     weights: torch.Tensor | None = None  # [B] float
     old_logp: torch.Tensor | None = None  # [B, T] float
     ref_logp: torch.Tensor | None = None  # [B, T] float
+    authorship: torch.Tensor | None = None  # [B, T] long, Tandem: 1 where the senior wrote
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -24,9 +24,10 @@ from deepspeed.accelerator import get_accelerator
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from rlvr.algorithms import grpo
+from rlvr.algorithms import dro, grpo
 from rlvr.config import LoraConfig
-from rlvr.training.batch import TrainBatch, token_entropy, token_logprobs
+from rlvr.generation.hf_backend import scored_positions
+from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 _STATE_TAG = "state"
@@ -77,7 +78,11 @@ class PolicyTrainer:
     fine-tune keeps a frozen reference copy only when ``kl_coef > 0``.
 
     ``max_response_len`` is the constant normaliser of "seq-mean-token-sum-norm" (Dr.GRPO; pass the
-    generation budget), by default the longest response of each batch. ``warmup_steps`` ramps the
+    generation budget), by default the longest response of each batch. ``loss="dro"`` replaces the
+    GRPO loss with DRO's (`dro.dro_loss`: Dr.GRPO normaliser over the batch's sequences, PG only on
+    the top ``rho_ent`` entropy tokens of each micro-batch, k3 KL weighted by ``kl_coef`` on all
+    loss tokens); the caller leaves rejected groups out of the batch and gives truncated rollouts
+    no loss tokens, so they count in the normaliser only. ``warmup_steps`` ramps the
     lr linearly over the first optimizer steps. bf16 with ZeRO 1-3 keeps fp32 master weights and
     fp32 gradient accumulation; with stage 0 DeepSpeed accumulates gradients in bf16. On CPU every
     ZeRO stage runs in one gloo process and a fixed seed reproduces a run bit for bit.
@@ -107,8 +112,14 @@ class PolicyTrainer:
         loss_agg: LossAgg = "token-mean",
         max_response_len: int | None = None,
         warmup_steps: int = 0,
+        loss: Literal["grpo", "dro"] = "grpo",
+        rho_ent: float = dro.DEFAULT_RHO_ENT,
     ) -> None:
+        if loss not in ("grpo", "dro"):
+            raise ValueError(f"loss must be 'grpo' or 'dro', got {loss!r}")
         init_distributed()
+        self.loss = loss
+        self.rho_ent = rho_ent
         self.micro_batch_size = micro_batch_size
         self.kl_coef = kl_coef
         self.clip_low = clip_low
@@ -126,6 +137,8 @@ class PolicyTrainer:
         get_accelerator().manual_seed_all(seed)
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        pad = self.tokenizer.pad_token_id
+        self._pad_id: int = self.tokenizer.eos_token_id if pad is None else pad
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
         self._hf_model: PreTrainedModel = model
         self._ref_model: PreTrainedModel | None = None
@@ -206,14 +219,35 @@ class PolicyTrainer:
             raise ValueError("no reference model: a full fine-tune keeps one only when kl_coef > 0")
         return self._logprobs_with(self._ref_model, batch)
 
+    def sequence_logprobs(
+        self, sequences: list[list[int]], positions: list[list[int]]
+    ) -> list[list[float]]:
+        """Current-policy log p(seq[t] | seq[:t]) at each t of `positions[i]` (DRO's R3 scoring).
+
+        The learner-side twin of the generation backends' `score_logprobs`: one teacher-forced
+        forward per sequence (micro-batched), full vocabulary, temperature 1.
+        """
+        batch = build_batch(
+            [list(s[:1]) for s in sequences], [list(s[1:]) for s in sequences], self._pad_id
+        )
+        logp = self.logprobs(batch)
+        return [
+            logp[i, scored_positions(pos, len(sequences[i]))].tolist()
+            for i, pos in enumerate(positions)
+        ]
+
     # ------------------------------------------------------------------ training
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, logprob_sums: bool = False) -> dict[str, Any]:
         """One optimizer step of the PPO-clip GRPO loss (+ ``kl_coef`` * k3 KL) over ``batch``.
 
         ``batch.advantages`` is required; ``old_logp`` defaults to the current policy (on-policy,
         ratio 1) and ``ref_logp`` to `ref_logprobs` when ``kl_coef > 0``. Returns the full-batch
-        loss, pre-clip grad_norm, clip_frac, kl, entropy (token means), lr and tokens.
+        loss, pre-clip grad_norm, clip_frac, kl, entropy (token means), lr and tokens. With
+        ``logprob_sums`` it also returns "logprob_sums": per sequence of this rank's batch, the
+        old-policy log-prob summed over its loss tokens (DUET's surrogate), taken from the
+        training forward at no extra cost. The DRO loss also returns "entropy_threshold", the mean
+        over micro-batches of the 80/20 entropy cut.
         """
         if batch.advantages is None:
             raise ValueError("train_step needs batch.advantages")
@@ -233,10 +267,13 @@ class PolicyTrainer:
             raise ValueError("batch has no loss tokens")
         # Dr.GRPO's constant normaliser must be the same for every micro-batch of the step.
         max_len = self.max_response_len or int(self._all_reduce([per_seq_tokens.max()], "max")[0])
+        n_seqs = int(self._all_reduce([len(batch)], "sum")[0]) if self.loss == "dro" else 0
+        entropy_thresholds: list[float] = []
 
         self.engine.train()
         lr = self.engine.get_lr()[0]
         totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl"), 0.0)
+        seq_logp = torch.zeros(len(batch), dtype=torch.float64)
         ranges = list(self._micro_ranges(len(batch)))
         for i, (start, stop) in enumerate(ranges):
             mb = batch.micro_batch(start, stop).to(self.device)
@@ -246,21 +283,45 @@ class PolicyTrainer:
             entropy = token_entropy(logits)
             del logits
             token_share = int(per_seq_tokens[start:stop].sum()) / n_tokens
-            pg_loss, stats = grpo.policy_loss(
-                logp,
-                logp.detach() if on_policy else mb.old_logp,
-                mb.advantages,
-                mb.response_mask,
-                clip_low=self.clip_low,
-                clip_high=self.clip_high,
-                agg=self.loss_agg,
-                weights=mb.weights,
-                max_len=max_len,
-            )
-            # The aggregation divides by this micro-batch's count; rescale to the global count.
-            pg_loss = pg_loss * (int(agg_counts[start:stop].sum()) / n_agg)
-            loss = pg_loss
-            if self.kl_coef > 0:
+            old_logp = logp.detach() if on_policy else mb.old_logp
+            if logprob_sums:
+                masked = torch.where(mb.response_mask, old_logp, torch.zeros_like(old_logp))
+                seq_logp[start:stop] = masked.sum(dim=1).double().cpu()
+            if self.loss == "dro":
+                loss, stats = dro.dro_loss(
+                    logp,
+                    old_logp,
+                    mb.advantages,
+                    mb.response_mask,
+                    ref_logp=mb.ref_logp,
+                    entropy=entropy,
+                    beta=self.kl_coef,
+                    clip_low=self.clip_low,
+                    clip_high=self.clip_high,
+                    rho_ent=self.rho_ent,
+                    max_len=max_len,
+                    num_sequences=n_seqs,
+                )
+                pg_loss = stats["pg_loss"]
+                totals["kl"] += stats["kl_loss"].item()
+                if mb.response_mask.any():
+                    entropy_thresholds.append(float(stats["entropy_threshold"]))
+            else:
+                pg_loss, stats = grpo.policy_loss(
+                    logp,
+                    old_logp,
+                    mb.advantages,
+                    mb.response_mask,
+                    clip_low=self.clip_low,
+                    clip_high=self.clip_high,
+                    agg=self.loss_agg,
+                    weights=mb.weights,
+                    max_len=max_len,
+                )
+                # The aggregation divides by this micro-batch's count; rescale to the global count.
+                pg_loss = pg_loss * (int(agg_counts[start:stop].sum()) / n_agg)
+                loss = pg_loss
+            if self.kl_coef > 0 and self.loss == "grpo":
                 kl = grpo.kl_k3_mean(logp, mb.ref_logp, mb.response_mask) * token_share
                 loss = loss + self.kl_coef * kl
                 totals["kl"] += kl.item()
@@ -281,7 +342,18 @@ class PolicyTrainer:
             grad_norm = pre_step_norm
         self.steps += 1
         metrics = dict(zip(totals, self._all_reduce(list(totals.values()), "sum"), strict=True))
-        return {**metrics, "grad_norm": float(grad_norm), "lr": lr, "tokens": n_tokens}
+        out: dict[str, Any] = {
+            **metrics,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": n_tokens,
+        }
+        if entropy_thresholds:
+            # The 80/20 quantile is taken per micro-batch (as TRL does per device batch).
+            out["entropy_threshold"] = sum(entropy_thresholds) / len(entropy_thresholds)
+        if logprob_sums:
+            out["logprob_sums"] = seq_logp.tolist()
+        return out
 
     def _aggregation_counts(self, per_seq_tokens: torch.Tensor) -> torch.Tensor:
         """Per sequence, its part of the loss aggregation's denominator (`grpo.LOSS_AGGREGATIONS`).

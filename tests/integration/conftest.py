@@ -26,12 +26,23 @@ FAST = [
 ]
 
 
+# In-process DeepSpeed tests leave these behind; a driver inheriting them would reuse a bound port.
+DISTRIBUTED_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+)
+
+
 def cli(args: list[str]) -> subprocess.Popen:
     """`rlvr ARGS` in its own driver process, as a user runs it."""
     return subprocess.Popen(
         [sys.executable, "-m", "workflows.cli", *args],
         cwd=ROOT,
-        env=dict(os.environ),
+        env={k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
