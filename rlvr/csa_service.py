@@ -1,0 +1,513 @@
+"""Durable named CSA streams, the state the ControllerActor hosts for Ray Serve (csa.md section 3).
+
+Pure Python (no Ray), so restarts and corruption are unit-testable. Each stream NAME keeps three
+files under the root. `NAME.state.json` is the whole stream, rewritten atomically (write, fsync,
+rename, fsync of the directory) after every applied label and every other change but a decision.
+`NAME.journal` gets one checksummed line per decision (append + fdatasync, the one sync on the
+request path) and is emptied by the next snapshot; snapshot + journal replay restores the stream
+exactly. `NAME.marker.json` is a small record of (spec, epoch, seq bound, versions) that outlives a
+lost or corrupt snapshot or journal: the stream then restarts as a new epoch past every seq it ever
+issued, never as fresh state with the full error budget (that would be repeated testing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rlvr.algorithms.csa import CSAController, CSAError
+from rlvr.rundir import atomic_write_text
+
+STREAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+SEQ_BLOCK = 1024
+"""Seqs reserved per marker write: the marker is rewritten once per this many decisions."""
+_FORMAT = 1
+_STATE_SUFFIX = ".state.json"
+_MARKER_SUFFIX = ".marker.json"
+_JOURNAL_SUFFIX = ".journal"
+
+
+class UnknownStreamError(CSAError):
+    """No stream of that name is hosted here (maps to HTTP 404)."""
+
+
+class StreamStateError(RuntimeError):
+    """Neither the snapshot nor the marker of a stream can be read: refusing to guess its budget."""
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What defines a stream: the CSA configuration (alpha, delta, grid, ...) and its label timeout.
+
+    A change of any field but `label_timeout_s` changes the hypotheses under test, so reopening a
+    stream with it starts a new epoch (rule R4).
+    """
+
+    alpha: float
+    delta: float
+    grid: tuple[float, ...]
+    epoch_length: int | None = None
+    sparse_pi_min: float | None = None
+    seed: int = 0
+    label_timeout_s: float | None = None
+    """Seconds a round may wait for its label before it is closed as a failure (None: forever)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grid", tuple(float(q) for q in self.grid))
+        if self.label_timeout_s is not None and not self.label_timeout_s > 0:
+            raise ValueError(f"label_timeout_s must be > 0 or None, got {self.label_timeout_s}")
+        # The controller validates alpha, delta, grid, epoch_length and sparse_pi_min.
+        self.controller()
+
+    def controller(self) -> CSAController:
+        """A fresh controller for this spec (epoch 1, no rounds)."""
+        return CSAController(
+            self.alpha,
+            self.delta,
+            list(self.grid),
+            epoch_length=self.epoch_length,
+            sparse_pi_min=self.sparse_pi_min,
+            seed=self.seed,
+        )
+
+    def controller_config(self) -> dict[str, Any]:
+        """The configuration a controller snapshot records (compared on restore)."""
+        return self.controller().state_dict()["config"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-plain fields."""
+        d = asdict(self)
+        d["grid"] = list(self.grid)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StreamSpec:
+        """Inverse of `to_dict`."""
+        return cls(**d)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_record(path: Path, body: dict[str, Any]) -> None:
+    """Durably replace `path` by `body` with a checksum line (torn or altered files are detected)."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    atomic_write_text(path, f"{digest}\n{text}\n")
+    # The rename itself is durable only once the directory entry is flushed.
+    _fsync_dir(path.parent)
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """The body `write_record` wrote; ValueError if the file is torn, altered or not a record."""
+    raw = path.read_text()
+    digest, sep, text = raw.partition("\n")
+    text = text.rstrip("\n")
+    if not sep or hashlib.sha256(text.encode()).hexdigest() != digest:
+        raise ValueError(f"{path.name}: checksum mismatch (torn or altered file)")
+    body = json.loads(text)
+    if not isinstance(body, dict) or body.get("format") != _FORMAT:
+        raise ValueError(f"{path.name}: not a format-{_FORMAT} CSA stream record")
+    return body
+
+
+def _journal_line(entry: dict[str, Any]) -> bytes:
+    text = json.dumps(entry, sort_keys=True, separators=(",", ":"))
+    return f"{hashlib.sha256(text.encode()).hexdigest()[:16]}\t{text}\n".encode()
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """The decisions a journal holds, in order; ValueError if a line other than the last is bad.
+
+    A torn last line (the write that was in progress at a crash) is dropped: its decision was
+    never acknowledged, because the caller only hears back after the line is synced.
+    """
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    entries = []
+    for i, line in enumerate(lines):
+        digest, _, text = line.decode(errors="replace").partition("\t")
+        ok = bool(text) and hashlib.sha256(text.encode()).hexdigest()[:16] == digest
+        if ok:
+            entries.append(json.loads(text))
+        elif i < len(lines) - 1:
+            raise ValueError(f"{path.name}: line {i + 1} is corrupt")
+    return entries
+
+
+class _Stream:
+    """One hosted stream: its controller plus what the host must remember about it."""
+
+    def __init__(self, name: str, spec: StreamSpec, ctrl: CSAController):
+        self.name = name
+        self.spec = spec
+        self.ctrl = ctrl
+        self.decided_at: dict[int, float] = {}  # open rounds only, ascending seq
+        self.restarts: list[dict[str, Any]] = []
+        self.marker_epoch = 0
+        self.seq_bound = 0
+
+
+class CSAStreamHost:
+    """Named CSA streams with durable state; its owner must be the streams' only writer.
+
+    Every mutating call (`open_stream`, `decide`, `observe`, `expire_overdue`, `switch_versions`,
+    `start_new_epoch`) persists the stream before it returns, so what a caller was told survives a
+    crash. Rounds whose label is overdue (`label_timeout_s`) are closed as failures before every
+    call on their stream (A8: imputing a failure keeps the e-processes valid). On construction
+    every stream found under `root` is restored; `clock` gives wall-clock seconds (the timeouts
+    must survive restarts, so monotonic time will not do).
+    """
+
+    def __init__(
+        self, root: str | Path, clock: Callable[[], float] = time.time, seq_block: int = SEQ_BLOCK
+    ):
+        if seq_block < 1:
+            raise ValueError(f"seq_block must be >= 1, got {seq_block}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self.seq_block = seq_block
+        self._streams: dict[str, _Stream] = {}
+        self._journals: dict[str, Any] = {}  # open append handles, one per stream
+        names = {
+            p.name[: -len(suffix)]
+            for suffix in (_STATE_SUFFIX, _MARKER_SUFFIX, _JOURNAL_SUFFIX)
+            for p in self.root.glob(f"*{suffix}")
+        }
+        for name in sorted(names):
+            if STREAM_NAME.fullmatch(name):
+                self._streams[name] = self._restore(name)
+
+    # ----------------------------------------------------------------- streams
+
+    def open_stream(
+        self,
+        name: str,
+        spec: StreamSpec,
+        policy: str | None = None,
+        scorer: str | None = None,
+    ) -> dict[str, Any]:
+        """Host stream `name` with `spec` and pin the versions serving its next rounds (idempotent).
+
+        A new name starts at epoch 1. A restored stream keeps its state; if `spec` changes the CSA
+        configuration, it continues as a new epoch (R4) with its seqs running on, and a new scorer
+        also starts one (`CSAController.switch_versions`). Returns `status(name)`.
+        """
+        if not isinstance(name, str) or not STREAM_NAME.fullmatch(name):
+            raise ValueError(
+                f"stream name {name!r} must match {STREAM_NAME.pattern} (it names files)"
+            )
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = _Stream(name, spec, spec.controller())
+            self._streams[name] = stream
+        elif spec.controller_config() != stream.spec.controller_config():
+            old = stream.ctrl
+            ctrl = spec.controller()
+            ctrl.start_new_epoch(old.epoch + 1, next_seq=old.state_dict()["next_seq"])
+            stream.restarts.append(self._event("config_changed", ctrl, old.metrics()))
+            stream.ctrl, stream.spec, stream.decided_at = ctrl, spec, {}
+        else:
+            stream.spec = spec
+        if policy is not None or scorer is not None:
+            current = stream.ctrl.versions
+            if (policy is not None and policy != current["policy"]) or (
+                scorer is not None and scorer != current["scorer"]
+            ):
+                stream.ctrl.switch_versions(policy=policy, scorer=scorer)
+        self._persist(stream)
+        return self.status(name)
+
+    def stream_names(self) -> list[str]:
+        """Names of the hosted streams."""
+        return sorted(self._streams)
+
+    def close(self) -> None:
+        """Close the journal files (everything is already durable)."""
+        for f in self._journals.values():
+            f.close()
+        self._journals.clear()
+
+    # ----------------------------------------------------------------- rounds
+
+    def decide(self, name: str, score: float) -> dict[str, Any]:
+        """Issue the next seq of stream `name` and decide release for calibrated `score`.
+
+        Returns seq, release, threshold (None = nothing certified), epoch and the versions serving
+        this round; the round is durable before this returns.
+        """
+        stream = self._get(name)
+        self._expire(stream)
+        decision = stream.ctrl.decide(score)
+        now = self.clock()
+        stream.decided_at[decision.seq] = now
+        _prune(stream)  # sparse mode applies unverified rounds at decision time
+        self._cover(stream)
+        self._append(stream, {"seq": decision.seq, "score": float(score), "time": now})
+        return {
+            "stream": name,
+            "seq": decision.seq,
+            "release": decision.release,
+            "threshold": decision.threshold,
+            "epoch": stream.ctrl.epoch,
+            "versions": stream.ctrl.versions_at(decision.seq),
+        }
+
+    def observe(self, name: str, seq: int, passed: bool) -> dict[str, Any]:
+        """Apply the verifier's label for `seq` (in seq order, via the reorder buffer).
+
+        UnknownSeqError / AlreadyLabelledError leave the stream untouched (a retried label is
+        harmless). Returns the seq, the label, and the stream's deployed threshold afterwards.
+        """
+        stream = self._get(name)
+        self._expire(stream)
+        stream.ctrl.observe(seq, passed)
+        self._persist(stream)
+        return {
+            "stream": name,
+            "seq": seq,
+            "passed": bool(passed),
+            "threshold": stream.ctrl.threshold,
+            "epoch": stream.ctrl.epoch,
+        }
+
+    def expire_overdue(self, name: str | None = None) -> list[tuple[str, int]]:
+        """Close every round of `name` (or of all streams) whose label is overdue, as a failure."""
+        names = self.stream_names() if name is None else [name]
+        return [(n, seq) for n in names for seq in self._expire(self._get(n))]
+
+    def switch_versions(
+        self,
+        name: str,
+        policy: str | None = None,
+        scorer: str | None = None,
+        trained_through: int | None = None,
+    ) -> int:
+        """Record a policy/scorer switch at the next seq of `name` (rule R2); returns that seq."""
+        stream = self._get(name)
+        self._expire(stream)
+        boundary = stream.ctrl.switch_versions(
+            policy=policy, scorer=scorer, trained_through=trained_through
+        )
+        self._persist(stream)
+        return boundary
+
+    def start_new_epoch(self, name: str, reason: str = "operator") -> int:
+        """Reset the e-processes of `name` (e.g. on a drift alarm); returns the new epoch."""
+        stream = self._get(name)
+        self._expire(stream)
+        epoch = stream.ctrl.start_new_epoch()
+        stream.restarts.append(self._event(reason, stream.ctrl))
+        self._persist(stream)
+        return epoch
+
+    # ----------------------------------------------------------------- inspection
+
+    def status(self, name: str) -> dict[str, Any]:
+        """Monitoring view of `name`: the controller's metrics, its spec, restarts and versions."""
+        stream = self._get(name)
+        self._expire(stream)
+        metrics = stream.ctrl.metrics()
+        # JSON has no infinity: the slack before the first release is reported as None.
+        metrics["slack"] = metrics["slack"] if math.isfinite(metrics["slack"]) else None
+        state = stream.ctrl.state_dict()
+        return {
+            "stream": name,
+            **metrics,
+            "next_seq": state["next_seq"],
+            "alpha": stream.spec.alpha,
+            "delta": stream.spec.delta,
+            "grid": list(stream.spec.grid),
+            "label_timeout_s": stream.spec.label_timeout_s,
+            "restarts": [dict(r) for r in stream.restarts],
+            "version_history": state["versions"],
+        }
+
+    def state(self, name: str) -> dict[str, Any]:
+        """The stream exactly as persisted (controller snapshot, open-round times, restarts)."""
+        return self._record(self._get(name))
+
+    # ----------------------------------------------------------------- internals
+
+    def _get(self, name: str) -> _Stream:
+        stream = self._streams.get(name)
+        if stream is None:
+            raise UnknownStreamError(f"no CSA stream named {name!r}")
+        return stream
+
+    def _expire(self, stream: _Stream) -> list[int]:
+        timeout = stream.spec.label_timeout_s
+        if timeout is None:
+            return []
+        deadline = self.clock() - timeout
+        expired = []
+        for seq, decided in list(stream.decided_at.items()):
+            if decided <= deadline and stream.ctrl.wants_label(seq):
+                stream.ctrl.expire(seq)
+                expired.append(seq)
+        if expired:
+            self._persist(stream)
+        return expired
+
+    def _event(
+        self, reason: str, ctrl: CSAController, previous: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        event = {
+            "reason": reason,
+            "epoch": ctrl.epoch,
+            "at_seq": ctrl.state_dict()["next_seq"],
+            "time": self.clock(),
+        }
+        if previous is not None:
+            event["previous"] = {
+                k: previous[k] for k in ("epoch", "decided", "applied", "released", "risk")
+            }
+        return event
+
+    def _record(self, stream: _Stream) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "stream": stream.name,
+            "spec": stream.spec.to_dict(),
+            "controller": stream.ctrl.state_dict(),
+            "decided_at": [[seq, t] for seq, t in stream.decided_at.items()],
+            "restarts": [dict(r) for r in stream.restarts],
+        }
+
+    def _cover(self, stream: _Stream) -> None:
+        """Rewrite the marker if it no longer covers next_seq or the current epoch.
+
+        It must be durable before any caller hears of a seq beyond its bound: a restart after a
+        lost snapshot continues from the bound, in a later epoch.
+        """
+        next_seq = stream.ctrl.state_dict()["next_seq"]
+        if next_seq <= stream.seq_bound and stream.ctrl.epoch <= stream.marker_epoch:
+            return
+        bound = max(stream.seq_bound, next_seq + self.seq_block)
+        write_record(
+            self.root / f"{stream.name}{_MARKER_SUFFIX}",
+            {
+                "format": _FORMAT,
+                "stream": stream.name,
+                "spec": stream.spec.to_dict(),
+                "epoch": stream.ctrl.epoch,
+                "seq_bound": bound,
+                "versions": stream.ctrl.versions,
+            },
+        )
+        stream.seq_bound, stream.marker_epoch = bound, stream.ctrl.epoch
+
+    def _journal(self, stream: _Stream) -> Any:
+        f = self._journals.get(stream.name)
+        if f is None:
+            path = self.root / f"{stream.name}{_JOURNAL_SUFFIX}"
+            created = not path.exists()
+            f = self._journals[stream.name] = open(path, "ab")  # noqa: SIM115 (kept open)
+            if created:
+                _fsync_dir(self.root)
+        return f
+
+    def _append(self, stream: _Stream, entry: dict[str, Any]) -> None:
+        f = self._journal(stream)
+        f.write(_journal_line(entry))
+        f.flush()
+        os.fdatasync(f.fileno())
+
+    def _persist(self, stream: _Stream) -> None:
+        """Marker (if needed), then the snapshot, which makes the journal's lines redundant."""
+        _prune(stream)
+        self._cover(stream)
+        write_record(self.root / f"{stream.name}{_STATE_SUFFIX}", self._record(stream))
+        # Not synced: a stale journal line left by a crash has a seq the snapshot already covers.
+        self._journal(stream).truncate(0)
+
+    def _restore(self, name: str) -> _Stream:
+        state_path = self.root / f"{name}{_STATE_SUFFIX}"
+        marker_path = self.root / f"{name}{_MARKER_SUFFIX}"
+        marker, marker_err = _try_read(marker_path)
+        state, state_err = _try_read(state_path)
+        if state is not None:
+            try:
+                spec = StreamSpec.from_dict(state["spec"])
+                stream = _Stream(name, spec, CSAController.from_state_dict(state["controller"]))
+                stream.decided_at = {int(s): float(t) for s, t in state["decided_at"]}
+                stream.restarts = [dict(r) for r in state["restarts"]]
+            except (KeyError, TypeError, ValueError) as err:
+                state, state_err = None, f"{state_path.name}: unusable snapshot ({err})"
+        if state is not None:
+            try:
+                _replay(stream, read_journal(self.root / f"{name}{_JOURNAL_SUFFIX}"))
+            except (KeyError, TypeError, ValueError) as err:
+                state, state_err = None, f"{name}{_JOURNAL_SUFFIX}: unusable journal ({err})"
+        if state is not None:
+            if marker is not None:
+                stream.seq_bound, stream.marker_epoch = int(marker["seq_bound"]), marker["epoch"]
+            # A missing or stale marker is rewritten now, from the intact snapshot.
+            self._persist(stream)
+            return stream
+        if marker is None:
+            raise StreamStateError(
+                f"CSA stream {name!r}: snapshot and marker are both unreadable ({state_err}; "
+                f"{marker_err}); restarting it fresh would reuse its error budget. Restore a "
+                f"backup, or remove the stream's files to start it over deliberately."
+            )
+        # Lost snapshot: a new epoch that starts after every seq the old state could have issued.
+        spec = StreamSpec.from_dict(marker["spec"])
+        ctrl = spec.controller()
+        ctrl.start_new_epoch(int(marker["epoch"]) + 1, next_seq=int(marker["seq_bound"]))
+        versions = marker.get("versions") or {}
+        if versions.get("policy") is not None or versions.get("scorer") is not None:
+            ctrl.switch_versions(policy=versions.get("policy"), scorer=versions.get("scorer"))
+        stream = _Stream(name, spec, ctrl)
+        stream.seq_bound, stream.marker_epoch = int(marker["seq_bound"]), int(marker["epoch"])
+        stream.restarts.append(self._event("snapshot_lost", ctrl) | {"detail": state_err})
+        self._persist(stream)
+        return stream
+
+
+def _replay(stream: _Stream, entries: list[dict[str, Any]]) -> None:
+    """Re-decide the journal's rounds the snapshot does not hold (decide is deterministic)."""
+    for entry in entries:
+        seq = int(entry["seq"])
+        expected = stream.ctrl.state_dict()["next_seq"]
+        if seq < expected:
+            continue  # already in the snapshot (a crash came before the journal was emptied)
+        if seq != expected:
+            raise ValueError(f"decision {seq} follows {expected - 1}: decisions are missing")
+        decided = stream.ctrl.decide(float(entry["score"]))
+        if decided.seq != seq:
+            raise ValueError(f"replayed decision got seq {decided.seq}, journal says {seq}")
+        stream.decided_at[seq] = float(entry["time"])
+        _prune(stream)
+
+
+def _prune(stream: _Stream) -> None:
+    """Forget the decision times of applied rounds (those below the apply queue's head)."""
+    head = stream.ctrl.blocking_seq
+    for seq in [s for s in stream.decided_at if head is None or s < head]:
+        del stream.decided_at[seq]
+
+
+def _try_read(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """(record, "") or (None, why it could not be read)."""
+    if not path.exists():
+        return None, f"{path.name}: missing"
+    try:
+        return read_record(path), ""
+    except (OSError, ValueError) as err:
+        return None, f"{path.name}: {err}"

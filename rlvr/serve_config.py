@@ -1,0 +1,187 @@
+"""Typed configuration of `rlvr serve` (YAML plus `--set a.b=c`), validated before anything starts.
+
+Separate from the training `Config`: a served deployment names a checkpoint, its calibration, the
+CSA streams and the HTTP front; every unknown key or bad value fails at load, naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from rlvr.config import ConfigError, Section, _format_error, parse_override
+from rlvr.csa_service import STREAM_NAME
+
+
+class ServeModelConfig(Section):
+    path: str = Field(
+        "tiny",
+        description="Checkpoint to serve: 'tiny', 'smollm2' or a local HF directory "
+        "(e.g. runs/NAME/final).",
+    )
+    adapter: str | None = Field(
+        None, description="PEFT adapter directory merged into `path` at start (None: none)."
+    )
+    seed: int = Field(0, description="Seed for building the tiny model.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights dtype.")
+    served_name: str | None = Field(
+        None, min_length=1, description="Model id in /v1/models (default: the checkpoint's name)."
+    )
+
+
+class ServeGenerationConfig(Section):
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm", description="Generation engine; 'hf' is the transformers fallback."
+    )
+    max_model_len: int = Field(1024, gt=0, description="Prompt + response context per request.")
+    kv_cache_gib: float = Field(1.0, gt=0.0, description="KV cache size for vLLM on CPU.")
+    enforce_eager: bool = Field(False, description="Skip vLLM's torch.compile.")
+    torch_threads: int = Field(1, gt=0, description="Torch threads per replica.")
+
+
+class StreamConfig(Section):
+    name: str = Field(
+        "default", description="Stream name (requests pick it by metadata.csa_stream)."
+    )
+    alpha: float = Field(..., gt=0.0, lt=1.0, description="Risk budget on released answers.")
+    delta: float = Field(0.1, gt=0.0, lt=1.0, description="Failure probability of the guarantee.")
+    m: int = Field(15, ge=2, description="Thresholds in the grid.")
+    spacing: Literal["geometric", "linear"] = Field("geometric", description="Grid spacing.")
+    epoch_length: int | None = Field(
+        None, gt=0, description="CSA-Epoch: reset every N rounds (None: one epoch)."
+    )
+    label_timeout_s: float | None = Field(
+        600.0, gt=0.0, description="A label missing this long counts as a failure (None: never)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> StreamConfig:
+        if not STREAM_NAME.fullmatch(self.name):
+            raise ValueError(f"name must match {STREAM_NAME.pattern}")
+        return self
+
+
+class ServeCSAConfig(Section):
+    calibration: str | None = Field(
+        None,
+        description="Calibration artefact (default: csa_calibration.json in the checkpoint, or "
+        "in the adapter directory when one is set).",
+    )
+    streams: list[StreamConfig] = Field(
+        default_factory=lambda: [StreamConfig(alpha=0.2)],
+        min_length=1,
+        description="Served streams; the first is the default.",
+    )
+    state_dir: str | None = Field(
+        None, description="Durable stream state (default: runs/<name>/csa)."
+    )
+    fallback: str = Field(
+        "I am not confident enough in this answer to give it.",
+        description="Content returned when the gate abstains.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeCSAConfig:
+        names = [s.name for s in self.streams]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stream names must be unique, got {names}")
+        return self
+
+
+class ServeHTTPConfig(Section):
+    host: str = Field("127.0.0.1", description="Address the HTTP proxy binds.")
+    port: int = Field(8000, gt=0, lt=65536, description="HTTP port.")
+    max_body_bytes: int = Field(
+        65536, gt=0, description="Largest request body accepted (larger: 413)."
+    )
+    request_timeout_s: float = Field(120.0, gt=0.0, description="End-to-end request timeout.")
+
+
+class ReplicasConfig(Section):
+    num_replicas: int = Field(1, gt=0, description="Serve replicas (each loads the model).")
+    cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per replica.")
+    max_ongoing_requests: int = Field(8, gt=0, description="Concurrent requests per replica.")
+
+
+class ServeVerifierConfig(Section):
+    enabled: bool = Field(
+        True, description="Shadow-verify requests that carry metadata.reference (math verifier)."
+    )
+    num_actors: int = Field(1, gt=0, description="VerifierActors per replica.")
+    timeout_s: float = Field(5.0, gt=0.0, description="Hard per-item verification timeout.")
+
+
+class ServeConfig(Section):
+    name: str = Field("serve", min_length=1, description="Deployment name (actor and state).")
+    model: ServeModelConfig = Field(default_factory=ServeModelConfig)
+    generation: ServeGenerationConfig = Field(default_factory=ServeGenerationConfig)
+    csa: ServeCSAConfig = Field(default_factory=ServeCSAConfig)
+    http: ServeHTTPConfig = Field(default_factory=ServeHTTPConfig)
+    replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
+    verifier: ServeVerifierConfig = Field(default_factory=ServeVerifierConfig)
+
+    def state_dir(self) -> Path:
+        """Where the ControllerActor keeps the durable streams."""
+        return Path(self.csa.state_dir or Path("runs") / self.name / "csa")
+
+    def check_cpus(self, available: float) -> None:
+        """Fail before anything starts when the replicas ask for more CPUs than there are."""
+        need = self.replicas.num_replicas * self.replicas.cpus
+        if need > available + 1e-9:
+            raise ConfigError(
+                f"invalid serve config: replicas: {need:g} CPUs requested but {available:g} "
+                "are available; lower replicas.num_replicas or replicas.cpus"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    """Set `a.b=c` in the raw YAML data; list items are addressed by index (csa.streams.0.alpha)."""
+    path, value = parse_override(item)
+    node: Any = data
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(
+                    f"invalid serve config: {'.'.join(path[: i + 1])}: no such list item"
+                )
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"invalid serve config: {'.'.join(path[:i])}: is not a section")
+
+
+def load_serve_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> ServeConfig:
+    """Load a serve YAML (or the defaults), apply `a.b=c` overrides, validate naming bad keys."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"serve config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+        data = loaded or {}
+    for item in overrides or []:
+        _apply_override(data, item)
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(
+            _format_error(err).replace("invalid config", "invalid serve config")
+        ) from None

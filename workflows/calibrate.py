@@ -1,0 +1,200 @@
+"""`rlvr calibrate`: fit the CSA score map of a checkpoint on a CAL split (csa.md 2.1-2.2, App H).
+
+For each CAL problem: K self-consistency samples, the majority answer and raw score 1 - agreement,
+the math verifier's verdict on that answer; then the isotonic map g(raw) -> P(fail) and the grid,
+written as `csa_calibration.json` next to the checkpoint for `rlvr serve`. No Ray needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlvr.config import ConfigError, load_config
+from rlvr.generation import make_backend
+from rlvr.generation.base import GenerationBackend, GenerationRequest, SamplingParams
+from rlvr.models import cache_dir, resolve_model_path
+from rlvr.serving import CALIBRATION_FILE, DEFAULT_ALPHAS, Calibration, boxed, vote
+from rlvr.tasks import load_problems, load_task
+from rlvr.tasks.base import Problem
+from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, render_prompt
+from rlvr.verifiers.math import MathVerifier
+
+log = logging.getLogger(__name__)
+
+CAL_SEED = 42
+CAL_FRACTION = 0.2
+
+
+def merge_adapter(base_dir: Path, adapter_dir: Path) -> Path:
+    """An HF directory with the PEFT adapter merged into the base weights (built once, cached)."""
+    from rlvr.models.tiny import publish_dir, staging_dir
+    from rlvr.serving import checkpoint_fingerprint
+
+    key = hashlib.sha256(
+        f"{checkpoint_fingerprint(base_dir)}\0{checkpoint_fingerprint(adapter_dir)}".encode()
+    ).hexdigest()[:12]
+    out = cache_dir() / "models" / f"merged-{base_dir.name}-{adapter_dir.name}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    staging = staging_dir(out)
+    merged.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(staging)
+    return publish_dir(staging, out)
+
+
+def with_adapter(model_dir: Path, adapter: str | None) -> Path:
+    """`model_dir`, or a cached copy with the PEFT adapter directory `adapter` merged in."""
+    if adapter is None:
+        return model_dir
+    adapter_dir = Path(adapter).expanduser()
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"adapter {adapter!r} holds no adapter_config.json")
+    return merge_adapter(model_dir, adapter_dir)
+
+
+def load_cal_problems(data: str) -> tuple[list[Problem], str, dict[str, Any]]:
+    """(problems, instruction, source) from a dataset file or a training preset's held-out split."""
+    if data.endswith((".yaml", ".yml")):
+        cfg = load_config(data)
+        _, test = load_task(cfg.task)
+        return test, cfg.task.instruction, {"preset": data, "split": "test"}
+    return load_problems(data), DEFAULT_INSTRUCTION, {"file": data}
+
+
+def cal_split(problems: Sequence[Problem], fraction: float, seed: int = CAL_SEED) -> list[Problem]:
+    """The CAL split: a seeded random `fraction` of the problems (at least one), in file order."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the CAL fraction must lie in (0, 1], got {fraction}")
+    n = max(1, math.ceil(fraction * len(problems)))
+    picked = np.sort(np.random.default_rng(seed).permutation(len(problems))[:n])
+    return [problems[i] for i in picked]
+
+
+def calibrate(
+    backend: GenerationBackend,
+    problems: Sequence[Problem],
+    *,
+    k: int = 5,
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    max_tokens: int = 256,
+    instruction: str = DEFAULT_INSTRUCTION,
+    seed: int = CAL_SEED,
+    m: int = 15,
+    spacing: str = "geometric",
+    verifier_timeout_s: float = 5.0,
+    batch_size: int = 32,
+) -> Calibration:
+    """Sample, vote, verify and fit: the calibration of `backend`'s model on `problems`.
+
+    K samples per problem at (temperature, top_p, max_tokens), seeded per problem; the verdict is
+    on the majority answer (the released object), and a problem with no extractable answer fails.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+    tokenizer = backend.tokenizer
+    votes = []
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        requests = [
+            GenerationRequest(
+                prompt_ids=render_prompt(tokenizer, p, instruction),
+                n=k,
+                request_id=p.id,
+                seed=seed * 1_000_003 + start + i,
+            )
+            for i, p in enumerate(chunk)
+        ]
+        for result in backend.generate(requests, params):
+            votes.append(vote([s.text for s in result.samples]))
+    passed = [False] * len(problems)
+    answered = [i for i, v in enumerate(votes) if v.answer is not None]
+    with MathVerifier(num_workers=1, timeout=verifier_timeout_s) as verifier:
+        verdicts = verifier.verify_batch(
+            [boxed(votes[i].answer) for i in answered], [problems[i].answer for i in answered]
+        )
+    for i, (_, status) in zip(answered, verdicts, strict=True):
+        passed[i] = status == "correct"
+    return Calibration.fit(
+        [v.raw for v in votes],
+        passed,
+        k=k,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        m=m,
+        spacing=spacing,
+        instruction=instruction,
+        problem_ids=[p.id for p in problems],
+    )
+
+
+def run_calibrate(
+    checkpoint: str,
+    data: str,
+    *,
+    adapter: str | None = None,
+    out: str | None = None,
+    backend: str = "vllm",
+    cal_fraction: float = CAL_FRACTION,
+    seed: int = CAL_SEED,
+    alphas: Sequence[float] = DEFAULT_ALPHAS,
+    instruction: str | None = None,
+    max_model_len: int = 1024,
+    backend_kwargs: dict[str, Any] | None = None,
+    **fit_kwargs: Any,
+) -> tuple[Path, Calibration]:
+    """The `rlvr calibrate` command: resolve, split, calibrate, write; returns (path, calibration).
+
+    Bad inputs raise ConfigError before any model loads. The artefact goes to `out`, else next to
+    the adapter when one is given, else into the checkpoint directory.
+    """
+    from rlvr.serving import checkpoint_fingerprint
+
+    try:
+        model_dir = resolve_model_path(checkpoint)
+    except FileNotFoundError as err:
+        raise ConfigError(f"invalid calibration input: --checkpoint: {err}") from None
+    try:
+        model_dir = with_adapter(model_dir, adapter)
+    except FileNotFoundError as err:
+        raise ConfigError(f"invalid calibration input: --adapter: {err}") from None
+    try:
+        problems, preset_instruction, source = load_cal_problems(data)
+        cal = cal_split(problems, cal_fraction, seed)
+    except (ValueError, ConfigError) as err:
+        raise ConfigError(f"invalid calibration input: --data: {err}") from None
+    if fit_kwargs.get("max_tokens", 256) >= max_model_len:
+        raise ConfigError("invalid calibration input: --max-tokens must be < --max-model-len")
+    target = Path(out) if out else Path(adapter or model_dir) / CALIBRATION_FILE
+    kwargs = dict(backend_kwargs or {})
+    if backend == "vllm":
+        kwargs.setdefault("max_model_len", max_model_len)
+    engine = make_backend(backend, model_dir, **kwargs)
+    try:
+        log.info("calibrating %s on %d CAL problems", model_dir, len(cal))
+        result = calibrate(
+            engine,
+            cal,
+            instruction=instruction if instruction is not None else preset_instruction,
+            seed=seed,
+            **fit_kwargs,
+        )
+    finally:
+        engine.close()
+    result.checkpoint = checkpoint_fingerprint(model_dir)
+    result.source = {**source, "cal_fraction": cal_fraction, "seed": seed, "n_data": len(problems)}
+    return result.save(target, alphas), result

@@ -1,0 +1,476 @@
+"""`rlvr serve`: a Ray Serve app with an OpenAI-compatible API behind the CSA release gate.
+
+Per request (csa.md section 3.2): K self-consistency samples, the majority answer, raw score
+1 - agreement, calibrated score g(raw), then the stream's decision from the ControllerActor, the
+single writer of every stream (any number of replicas share them). Released: the answer; abstained:
+the configured fallback; always a `csa` object. Labels arrive from shadow verification (requests
+with metadata.reference, checked by a VerifierActor pool, applied asynchronously) or from
+POST /v1/feedback; a label overdue past the stream's timeout counts as a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from ray import serve
+from ray.exceptions import RayActorError
+
+from actors.controller import NAMESPACE, ControllerActor, controller_name
+from rlvr.algorithms.csa import AlreadyLabelledError, UnknownSeqError
+from rlvr.config import ConfigError, check_model_for_backend
+from rlvr.csa_service import StreamSpec, UnknownStreamError
+from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.models import resolve_model_path
+from rlvr.serve_config import ServeConfig
+from rlvr.serving import (
+    CALIBRATION_FILE,
+    ApiError,
+    Calibration,
+    ChatCompletionRequest,
+    CompletionRequest,
+    FeedbackRequest,
+    boxed,
+    check_generation_request,
+    checkpoint_fingerprint,
+    completion_body,
+    csa_object,
+    parse_body,
+    vote,
+)
+from workflows.calibrate import with_adapter
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "rlvr-csa"
+_LABEL_RETRIES = 6
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything a replica needs, plain data (it travels to every replica)."""
+
+    model_dir: str
+    served_name: str
+    backend: str
+    backend_kwargs: dict[str, Any]
+    torch_threads: int
+    max_model_len: int
+    calibration: dict[str, Any]
+    streams: tuple[str, ...]
+    controller: str
+    fallback: str
+    max_body_bytes: int
+    verifier: dict[str, Any] | None
+    gate: bool = True
+
+
+@dataclass(frozen=True)
+class PreparedServe:
+    """A validated deployment: replica settings, stream specs and the versions they serve."""
+
+    settings: ServeSettings
+    specs: dict[str, StreamSpec]
+    policy: str
+    scorer: str
+    state_dir: Path
+
+
+def prepare_serve(cfg: ServeConfig) -> PreparedServe:
+    """Everything that can fail on bad input (model, adapter, calibration, grids), before Ray."""
+    try:
+        model_dir = resolve_model_path(cfg.model.path, seed=cfg.model.seed)
+    except FileNotFoundError as err:
+        raise ConfigError(f"invalid serve config: model.path: {err}") from None
+    try:
+        model_dir = with_adapter(model_dir, cfg.model.adapter)
+    except FileNotFoundError as err:
+        raise ConfigError(f"invalid serve config: model.adapter: {err}") from None
+    check_model_for_backend(cfg, model_dir)
+    cal_path = Path(cfg.csa.calibration or Path(cfg.model.adapter or model_dir) / CALIBRATION_FILE)
+    try:
+        calibration = Calibration.load(cal_path)
+    except ValueError as err:
+        raise ConfigError(f"invalid serve config: csa.calibration: {err}") from None
+    if calibration.max_tokens >= cfg.generation.max_model_len:
+        raise ConfigError(
+            f"invalid serve config: generation.max_model_len: {cfg.generation.max_model_len} "
+            f"leaves no room for prompts after the calibrated max_tokens={calibration.max_tokens}"
+        )
+    specs = {}
+    for i, s in enumerate(cfg.csa.streams):
+        try:
+            grid = calibration.grid(s.alpha, s.m, s.spacing)
+        except ValueError as err:
+            raise ConfigError(f"invalid serve config: csa.streams.{i}.alpha: {err}") from None
+        specs[s.name] = StreamSpec(
+            alpha=s.alpha,
+            delta=s.delta,
+            grid=tuple(grid.tolist()),
+            epoch_length=s.epoch_length,
+            label_timeout_s=s.label_timeout_s,
+        )
+    policy = checkpoint_fingerprint(model_dir)
+    if calibration.checkpoint and calibration.checkpoint != policy:
+        log.warning(
+            "calibration %s was fit on %s, serving %s: the score map is kept (assumption P)",
+            cal_path,
+            calibration.checkpoint,
+            policy,
+        )
+    backend_kwargs: dict[str, Any] = {"dtype": cfg.model.dtype}
+    if cfg.generation.backend == "vllm":
+        backend_kwargs |= {
+            "max_model_len": cfg.generation.max_model_len,
+            "kv_cache_gib": cfg.generation.kv_cache_gib,
+            "enforce_eager": cfg.generation.enforce_eager,
+            "cpu_threads": cfg.generation.torch_threads,
+        }
+    settings = ServeSettings(
+        model_dir=str(model_dir),
+        served_name=cfg.model.served_name or model_dir.name,
+        backend=cfg.generation.backend,
+        backend_kwargs=backend_kwargs,
+        torch_threads=cfg.generation.torch_threads,
+        max_model_len=cfg.generation.max_model_len,
+        calibration=calibration.to_dict(alphas=()),
+        streams=tuple(specs),
+        controller=controller_name(cfg.name),
+        fallback=cfg.csa.fallback,
+        max_body_bytes=cfg.http.max_body_bytes,
+        verifier=cfg.verifier.model_dump() if cfg.verifier.enabled else None,
+    )
+    return PreparedServe(settings, specs, policy, calibration.version, cfg.state_dir())
+
+
+# --------------------------------------------------------------------------- the deployment
+
+api = FastAPI(title="rlvr CSA server")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than `limit` bytes (413) before reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, "invalid Content-Length header")
+        if int(declared) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="body_too_large")
+    return bytes(body)
+
+
+async def _respond(work: Callable[[], Awaitable[dict[str, Any]]]) -> JSONResponse:
+    """Run a handler; an ApiError becomes its status with an OpenAI-style JSON error body."""
+    try:
+        return JSONResponse(await work())
+    except ApiError as err:
+        return JSONResponse(err.body(), status_code=err.status)
+
+
+def _cause(err: Exception) -> str:
+    """The message of an exception raised inside an actor, without Ray's remote traceback."""
+    return str(getattr(err, "cause", None) or err)
+
+
+@serve.deployment
+@serve.ingress(api)
+class CSAServer:
+    """One replica: a generation backend, the calibration, handles to the stream owner."""
+
+    def __init__(self, settings: dict[str, Any]):
+        import torch
+
+        from rlvr.generation import make_backend
+
+        self.s = ServeSettings(**settings)
+        torch.set_num_threads(self.s.torch_threads)
+        self.backend = make_backend(self.s.backend, self.s.model_dir, **self.s.backend_kwargs)
+        self.tokenizer = self.backend.tokenizer
+        self.calibration = Calibration.from_dict(self.s.calibration)
+        self.controller = (
+            ray.get_actor(self.s.controller, namespace=NAMESPACE) if self.s.gate else None
+        )
+        self.verifier = None
+        if self.s.verifier is not None and self.s.gate:
+            from actors.verifier import VerifierPool
+
+            self.verifier = VerifierPool(
+                self.s.verifier["num_actors"], self.s.verifier["timeout_s"]
+            )
+        # One generation at a time per replica: engines are not re-entrant; K samples batch inside.
+        self._generate_lock = asyncio.Lock()
+        self._verify_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+
+    # ----------------------------------------------------------------- routes
+
+    @api.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        """The one served model."""
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": self.s.served_name, "object": "model", "created": 0, "owned_by": "rlvr"}
+                ],
+            }
+        )
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> JSONResponse:
+        """OpenAI chat completion through the CSA gate."""
+        return await _respond(lambda: self._complete(request, "chat"))
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> JSONResponse:
+        """OpenAI text completion (raw prompt, no chat template) through the CSA gate."""
+        return await _respond(lambda: self._complete(request, "text"))
+
+    @api.post("/v1/feedback")
+    async def feedback(self, request: Request) -> JSONResponse:
+        """Apply a verifier label {seq, passed, stream?} to a decided round."""
+        return await _respond(lambda: self._feedback(request))
+
+    @api.get("/v1/csa/status")
+    async def status(self, stream: str | None = None) -> JSONResponse:
+        """Every stream's monitoring view, or one stream's with ?stream=NAME."""
+
+        async def work() -> dict[str, Any]:
+            if not self.s.gate:
+                raise ApiError(404, "this deployment runs without the CSA gate", code="no_gate")
+            return {"streams": await self._controller("csa_status", stream)}
+
+        return await _respond(work)
+
+    # ----------------------------------------------------------------- request handling
+
+    async def _complete(self, request: Request, kind: str) -> dict[str, Any]:
+        schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        req = parse_body(await read_body(request, self.s.max_body_bytes), schema)
+        ask = check_generation_request(
+            req, self.s.served_name, self.calibration.max_tokens, self.s.streams[0]
+        )
+        if self.s.gate and ask.stream not in self.s.streams:
+            raise ApiError(
+                404,
+                f"unknown CSA stream {ask.stream!r}; this server has {list(self.s.streams)}",
+                param="metadata.csa_stream",
+                code="stream_not_found",
+            )
+        if ask.reference is not None and self.verifier is None:
+            raise ApiError(
+                400,
+                "metadata.reference needs a verifier and none is configured; "
+                "send labels to POST /v1/feedback instead",
+                param="metadata.reference",
+            )
+        prompt_ids = self._prompt_ids(req, kind)
+        if len(prompt_ids) + ask.max_tokens > self.s.max_model_len:
+            raise ApiError(
+                400,
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({ask.max_tokens}) exceeds the "
+                f"context of {self.s.max_model_len} tokens",
+                param="messages" if kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        samples = await self._sample(prompt_ids, ask.max_tokens, ask.seed)
+        v = vote([s.text for s in samples])
+        score = self.calibration.score(v.raw)
+        decision = None
+        if self.s.gate:
+            decision = await self._controller("csa_decide", ask.stream, score)
+            if ask.reference is not None:
+                self._spawn(
+                    self._shadow_verify(ask.stream, decision["seq"], v.answer, ask.reference)
+                )
+        verification = "none" if decision is None else "shadow" if ask.reference else "feedback"
+        csa = csa_object(decision, ask.stream, score, v, len(samples), verification)
+        content = samples[v.index].text if csa["released"] else self.s.fallback
+        return completion_body(
+            kind,
+            self.s.served_name,
+            content,
+            len(prompt_ids),
+            sum(len(s.token_ids) for s in samples),
+            csa,
+        )
+
+    async def _feedback(self, request: Request) -> dict[str, Any]:
+        req = parse_body(await read_body(request, self.s.max_body_bytes), FeedbackRequest)
+        if not self.s.gate:
+            raise ApiError(404, "this deployment runs without the CSA gate", code="no_gate")
+        stream = req.stream or self.s.streams[0]
+        return await self._controller("csa_observe", stream, req.seq, req.passed)
+
+    def _prompt_ids(self, req: ChatCompletionRequest | CompletionRequest, kind: str) -> list[int]:
+        if kind == "text":
+            prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            except Exception as err:  # jinja raises many types for a conversation it rejects
+                raise ApiError(
+                    400, f"the chat template rejects these messages: {err}", "messages"
+                ) from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return [int(i) for i in ids]
+
+    async def _sample(self, prompt_ids: list[int], max_tokens: int, seed: int | None) -> list:
+        cal = self.calibration
+        request = GenerationRequest(
+            prompt_ids=prompt_ids, n=cal.k, seed=secrets.randbits(62) if seed is None else seed
+        )
+        params = SamplingParams(temperature=cal.temperature, top_p=cal.top_p, max_tokens=max_tokens)
+        async with self._generate_lock:
+            [result] = await asyncio.to_thread(self.backend.generate, [request], params)
+        return result.samples
+
+    async def _controller(self, method: str, *args: Any) -> Any:
+        """Call the stream owner, mapping refusals to 4xx and an unreachable owner to 503."""
+        try:
+            return await getattr(self.controller, method).remote(*args)
+        except UnknownStreamError as err:
+            raise ApiError(404, _cause(err), param="stream", code="stream_not_found") from None
+        except UnknownSeqError as err:
+            raise ApiError(404, _cause(err), param="seq", code="unknown_seq") from None
+        except AlreadyLabelledError as err:
+            raise ApiError(409, _cause(err), param="seq", code="already_labelled") from None
+        except RayActorError as err:
+            raise ApiError(
+                503,
+                f"the CSA controller is unavailable ({type(err).__name__}); retry",
+                kind="unavailable",
+            ) from None
+
+    # ----------------------------------------------------------------- shadow verification
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _shadow_verify(
+        self, stream: str, seq: int, answer: str | None, reference: str
+    ) -> None:
+        """Verify the majority answer (released or not) and apply the label; never raises."""
+        try:
+            passed = False
+            if answer is not None:
+                async with self._verify_lock:  # the pool replaces dead actors; one caller at a time
+                    [(_, verdict)] = await asyncio.to_thread(
+                        self.verifier.score, [boxed(answer)], [reference]
+                    )
+                passed = verdict == "correct"
+            for attempt in range(_LABEL_RETRIES):
+                try:
+                    await self._controller("csa_observe", stream, seq, passed)
+                    return
+                except ApiError as err:
+                    if err.status != 503:
+                        # 409: a label (e.g. feedback) got there first; observe is idempotent.
+                        return
+                    await asyncio.sleep(0.25 * 2**attempt)
+            log.warning("label of %s/%d not applied; its timeout will close it", stream, seq)
+        except Exception:
+            log.exception("shadow verification of %s/%d failed", stream, seq)
+
+
+# --------------------------------------------------------------------------- starting it
+
+
+def ensure_controller(cfg: ServeConfig, state_dir: Path) -> ray.actor.ActorHandle:
+    """The named ControllerActor owning the streams (restarted by Ray, restoring from disk)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return (
+        ray.remote(ControllerActor)
+        .options(
+            name=controller_name(cfg.name),
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            max_restarts=-1,
+            num_cpus=0,
+        )
+        .remote(group_size=1, csa_dir=str(state_dir.resolve()))
+    )
+
+
+def build_app(cfg: ServeConfig, prepared: PreparedServe, gate: bool = True) -> serve.Application:
+    """The Serve application (not started); `gate=False` serves ungated, for benchmarks only."""
+    settings = asdict(prepared.settings) | {"gate": gate}
+    return CSAServer.options(
+        num_replicas=cfg.replicas.num_replicas,
+        ray_actor_options={"num_cpus": cfg.replicas.cpus},
+        max_ongoing_requests=cfg.replicas.max_ongoing_requests,
+    ).bind(settings)
+
+
+def start_serving(
+    cfg: ServeConfig,
+    prepared: PreparedServe,
+    app_name: str = APP_NAME,
+    route_prefix: str = "/",
+    gate: bool = True,
+) -> ray.actor.ActorHandle:
+    """Start Serve on cfg.http, open the streams, run the app; returns the ControllerActor.
+
+    Keep the returned handle: the actor is not detached, so it ends when its handles are gone.
+    """
+    serve.start(
+        http_options={
+            "host": cfg.http.host,
+            "port": cfg.http.port,
+            "request_timeout_s": cfg.http.request_timeout_s,
+        }
+    )
+    controller = ensure_controller(cfg, prepared.state_dir)
+    for name, spec in prepared.specs.items():
+        opened = ray.get(
+            controller.csa_open.remote(name, spec.to_dict(), prepared.policy, prepared.scorer)
+        )
+        log.info(
+            "stream %s: epoch %d, next seq %d, threshold %s",
+            name,
+            opened["epoch"],
+            opened["next_seq"],
+            opened["threshold"],
+        )
+    serve.run(build_app(cfg, prepared, gate), name=app_name, route_prefix=route_prefix)
+    return controller
+
+
+def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
+    """`rlvr serve`: run until interrupted, then shut Serve down (stream state stays on disk)."""
+    # The stream owner lives as long as this driver holds a handle to it.
+    controller = start_serving(cfg, prepared)
+    print(
+        f"serving {prepared.settings.served_name} at http://{cfg.http.host}:{cfg.http.port}/v1 "
+        f"(streams: {', '.join(prepared.specs)}; state: {prepared.state_dir})",
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.kill(controller, no_restart=True)
