@@ -1,0 +1,200 @@
+"""Tandem rollout cost: co-written (senior + frozen junior) rollouts against single-model rollouts
+of the same batch on the same engine kind.
+
+    .venv/bin/python bench/tandem.py --model tiny|smollm2|PATH [--junior PATH] --prompts 8 \
+        --n 4 --max-tokens 128 --repeats 3 [--oracle]
+
+Variants, all in this process: `vllm solo` (a plain engine on the senior), `vllm tandem` (the
+combined engine, `rlvr.generation.tandem_vllm`), `vllm tandem-engine solo` (the combined engine
+without a schedule: the senior writes, the junior's forward still runs), `hf solo` and `hf tandem`
+(the transformers lockstep loop), and with --oracle the two-model segment loop that re-reads the
+whole prefix every token (the naive design). Each variant gets one untimed warm-up call, then the
+timed calls alternate between variants so all see the same machine load. Prints the median
+seconds per call, generated tokens, seconds per token and the ratios to the same engine's solo
+rollout (wall time, and per token since solo and tandem responses may end at different lengths);
+writes the table as JSON and a bar plot under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from generation_throughput import make_prompts  # noqa: E402  (bench/, the script's directory)
+
+from rlvr.algorithms.tandem import (  # noqa: E402
+    WordSwitchSchedule,
+    tandem_generate_reference,
+    word_boundary_ids,
+)
+from rlvr.generation import make_backend  # noqa: E402
+from rlvr.generation.base import GenerationRequest, SamplingParams  # noqa: E402
+from rlvr.models import resolve_model_path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+Run = Callable[[], int]
+"""One timed call: generate the batch, return the number of generated tokens."""
+
+
+def variants(args: argparse.Namespace) -> tuple[dict[str, Run], list[Callable[[], None]]]:
+    """The rollout variants to time, and the engines' close functions."""
+    senior = resolve_model_path(args.model)
+    junior = resolve_model_path(args.junior) if args.junior else senior
+    prompts = make_prompts(senior, args.prompts)
+    requests = [
+        GenerationRequest(p, n=args.n, request_id=str(i), seed=1000 * i)
+        for i, p in enumerate(prompts)
+    ]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    engine = {
+        "dtype": args.dtype,
+        "max_model_len": max(len(p) for p in prompts) + args.max_tokens + 1,
+        "kv_cache_gib": 1.0,
+        "enforce_eager": not args.compile,
+    }
+    solo_vllm = make_backend("vllm", senior, **engine)
+    tandem_vllm = make_backend("vllm", senior, junior_path=junior, **engine)
+    solo_hf = make_backend("hf", senior, dtype=args.dtype)
+    tandem_hf = make_backend("hf", senior, dtype=args.dtype, junior_path=junior)
+    schedule = WordSwitchSchedule(
+        word_boundary_ids(tandem_hf.tokenizer.get_vocab()), p=args.p, cap=args.cap
+    )
+
+    def count(results) -> int:
+        return sum(len(s.token_ids) for r in results for s in r.samples)
+
+    runs: dict[str, Run] = {
+        "vllm solo": lambda: count(solo_vllm.generate(requests, params)),
+        "vllm tandem": lambda: count(tandem_vllm.generate(requests, params, schedule=schedule)),
+        "vllm tandem-engine solo": lambda: count(tandem_vllm.generate(requests, params)),
+        "hf solo": lambda: count(solo_hf.generate(requests, params)),
+        "hf tandem": lambda: count(tandem_hf.generate(requests, params, schedule=schedule)),
+    }
+    if args.oracle:
+
+        def logits_of(model: torch.nn.Module) -> Callable[[list[int]], torch.Tensor]:
+            return lambda ids: model(torch.tensor([ids])).logits[0, -1]
+
+        @torch.inference_mode()
+        def oracle() -> int:
+            tokens = 0
+            for request in requests:
+                for j in range(request.n):
+                    rollout = tandem_generate_reference(
+                        request.prompt_ids,
+                        logits_of(tandem_hf.model),
+                        logits_of(tandem_hf.junior),
+                        schedule,
+                        request.seed + j,
+                        args.max_tokens,
+                        tandem_hf.stop_token_ids,
+                        temperature=args.temperature,
+                    )
+                    tokens += len(rollout.response_ids)
+            return tokens
+
+        runs["segment-loop oracle"] = oracle
+    # The tandem engine first: the last vLLM engine to close tears down torch.distributed.
+    closers = [tandem_vllm.close, solo_vllm.close]
+    return runs, closers
+
+
+def measure(runs: dict[str, Run], repeats: int) -> dict[str, dict[str, float]]:
+    """Median seconds and tokens per variant over `repeats` alternating rounds."""
+    for run in runs.values():
+        run()  # warm-up
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    tokens: dict[str, list[int]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens[name].append(run())
+            seconds[name].append(time.perf_counter() - start)
+    rows = {}
+    for name in runs:
+        s, t = statistics.median(seconds[name]), statistics.median(tokens[name])
+        rows[name] = {"seconds": s, "tokens": t, "s_per_token": s / t}
+    for name, row in rows.items():
+        base = (
+            rows[f"{name.split()[0]} solo"] if not name.startswith("segment") else rows["hf solo"]
+        )
+        row["ratio_wall"] = row["seconds"] / base["seconds"]
+        row["ratio_per_token"] = row["s_per_token"] / base["s_per_token"]
+    return rows
+
+
+def plot(rows: dict[str, dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    names = list(rows)
+    ax.barh(names, [1000 * rows[n]["s_per_token"] for n in names])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per generated token (median)")
+    ax.set_title("Tandem rollout cost")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="senior: 'tiny', 'smollm2' or a dir")
+    parser.add_argument("--junior", default=None, help="junior (default: the senior's weights)")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per call")
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per response at most")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per variant")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--p", type=float, default=0.5, help="senior's share of author draws")
+    parser.add_argument("--cap", type=int, default=32, help="K: redraw after K tokens")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compile", action="store_true", help="let vLLM compile the models")
+    parser.add_argument("--oracle", action="store_true", help="also time the segment loop")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "tandem"))
+    args = parser.parse_args()
+
+    runs, closers = variants(args)
+    try:
+        rows = measure(runs, args.repeats)
+    finally:
+        for close in closers:
+            close()
+
+    print(
+        f"model={args.model} junior={args.junior or args.model} prompts={args.prompts} "
+        f"n={args.n} max_tokens={args.max_tokens} temperature={args.temperature} p={args.p} "
+        f"cap={args.cap} dtype={args.dtype} repeats={args.repeats} "
+        f"threads={torch.get_num_threads()}"
+    )
+    print(
+        f"{'variant':<24} {'seconds':>8} {'tokens':>7} {'ms/token':>9} "
+        f"{'x solo wall':>12} {'x solo/token':>13}"
+    )
+    for name, r in rows.items():
+        print(
+            f"{name:<24} {r['seconds']:>8.2f} {r['tokens']:>7.0f} {1000 * r['s_per_token']:>9.2f} "
+            f"{r['ratio_wall']:>12.2f} {r['ratio_per_token']:>13.2f}"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rollout_cost_{Path(args.model).name}.json").write_text(
+        json.dumps({"args": vars(args), "rows": rows}, indent=2)
+    )
+    plot(rows, out / f"rollout_cost_{Path(args.model).name}.png")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
