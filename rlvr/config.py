@@ -610,18 +610,22 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         raise ConfigError(_format_error(err)) from None
 
 
+def read_yaml_sections(path: str | Path | None, kind: str = "config") -> dict[str, Any]:
+    """The mapping of sections in a YAML file ({} for no file), or a ConfigError saying why not."""
+    if path is None:
+        return {}
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{kind} file not found: {path}")
+    loaded = yaml.safe_load(path.read_text())
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return loaded or {}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML preset (or the defaults), apply overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-        data = loaded or {}
-    data = apply_overrides(data, overrides or [])
+    data = apply_overrides(read_yaml_sections(path), overrides or [])
     return config_from_dict(data)
 
 

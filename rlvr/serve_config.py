@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from rlvr.config import ConfigError, Section, _format_error, parse_override
+from rlvr.config import ConfigError, Section, _format_error, parse_override, read_yaml_sections
 from rlvr.csa_service import STREAM_NAME
 
 
@@ -168,15 +167,7 @@ def load_serve_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> ServeConfig:
     """Load a serve YAML (or the defaults), apply `a.b=c` overrides, validate naming bad keys."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"serve config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-        data = loaded or {}
+    data = read_yaml_sections(path, kind="serve config")
     for item in overrides or []:
         _apply_override(data, item)
     try:
