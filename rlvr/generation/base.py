@@ -109,3 +109,11 @@ class GenerationBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def scored_positions(positions: Iterable[int], length: int) -> list[int]:
+    """`positions` as ints, checked to lie in 1..length-1 (position 0 has no prediction)."""
+    out = [int(t) for t in positions]
+    if out and (min(out) < 1 or max(out) >= length):
+        raise ValueError(f"positions {min(out)}..{max(out)} outside 1..{length - 1}")
+    return out

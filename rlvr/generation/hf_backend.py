@@ -20,6 +20,7 @@ from rlvr.generation.base import (
     SamplingParams,
     StopRuleFactory,
     sample_seed,
+    scored_positions,
 )
 from rlvr.generation.stop_rules import StopRuleTracker
 from rlvr.generation.tandem_support import (
@@ -81,14 +82,6 @@ def check_weight_names(names: Iterable[str], required: set[str], allowed: set[st
         raise ValueError(
             f"weight names do not match the model: missing {missing}, unknown {unknown}"
         )
-
-
-def scored_positions(positions: Iterable[int], length: int) -> list[int]:
-    """`positions` as ints, checked to lie in 1..length-1 (position 0 has no prediction)."""
-    out = [int(t) for t in positions]
-    if out and (min(out) < 1 or max(out) >= length):
-        raise ValueError(f"positions {min(out)}..{max(out)} outside 1..{length - 1}")
-    return out
 
 
 class HFBackend:

@@ -35,8 +35,9 @@ from rlvr.generation.base import (
     SamplingParams,
     StopRuleFactory,
     sample_seed,
+    scored_positions,
 )
-from rlvr.generation.hf_backend import check_weight_names, hf_weight_names, scored_positions
+from rlvr.generation.hf_backend import check_weight_names, hf_weight_names
 from rlvr.generation.stop_rules import StopRuleTracker
 from rlvr.generation.tandem_support import AuthorTracker, check_same_tokenizer, tandem_seed
 from rlvr.generation.vllm_rows import RowTrackingLogitsProcessor, real_token_count

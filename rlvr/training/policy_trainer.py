@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from rlvr.algorithms import dro, grpo
 from rlvr.config import LoraConfig
-from rlvr.generation.hf_backend import scored_positions
+from rlvr.generation.base import scored_positions
 from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
