@@ -24,12 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import numpy as np
 
 from rlvr.algorithms.csa import Calibrator, CSABatch, CSAController, make_grid
@@ -43,7 +37,9 @@ from rlvr.algorithms.csa_streams import (
     summarise,
     synthetic_cell,
 )
+from workflows.cli import ray_env
 
+ray_env()
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "csa"
 DELTA = 0.1

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from workflows.cli import ray_env
 
+ray_env()
 ROOT = Path(__file__).resolve().parent.parent
 BASE = [
     "task.difficulty.verbosity=3",

@@ -19,7 +19,8 @@ from rlvr.config import Config, ConfigError, load_config
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-arith.yaml"
 
 
-def _ray_env() -> None:
+def ray_env() -> None:
+    """Defaults for a local, offline cluster on 127.0.0.1 (kept when the caller set its own)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -252,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _ray_env()
+    ray_env()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
