@@ -562,7 +562,8 @@ class Config(Section):
         return self.model_dump(mode="json")
 
 
-def _format_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError) -> str:
+    """A pydantic error as one line per problem, each naming its dotted key."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
@@ -607,7 +608,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
 
 
 def read_yaml_sections(path: str | Path | None, kind: str = "config") -> dict[str, Any]:

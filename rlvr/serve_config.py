@@ -11,7 +11,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from rlvr.config import ConfigError, Section, _format_error, parse_override, read_yaml_sections
+from rlvr.config import (
+    ConfigError,
+    Section,
+    format_validation_error,
+    parse_override,
+    read_yaml_sections,
+)
 from rlvr.csa_service import STREAM_NAME
 
 
@@ -174,5 +180,5 @@ def load_serve_config(
         return ServeConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(
-            _format_error(err).replace("invalid config", "invalid serve config")
+            format_validation_error(err).replace("invalid config", "invalid serve config")
         ) from None
