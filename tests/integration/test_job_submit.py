@@ -34,7 +34,9 @@ def test_job_submit_to_local_head(tmp_path):
         "RAY_TMPDIR": ray_tmp,
     }
     env.pop("RAY_ADDRESS", None)
-    gcs_port, dash_port = _free_port(), _free_port()
+    # Every port the head binds is a free one: the test session's own cluster already holds Ray's
+    # defaults (its dashboard agent listens on 52365), and an agent that cannot bind never registers.
+    gcs_port, dash_port, agent_port, metrics_port = (_free_port() for _ in range(4))
     head = subprocess.Popen(
         [
             str(BIN / "ray"),
@@ -45,6 +47,8 @@ def test_job_submit_to_local_head(tmp_path):
             f"--port={gcs_port}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dash_port}",
+            f"--dashboard-agent-listen-port={agent_port}",
+            f"--metrics-export-port={metrics_port}",
             "--num-cpus=2",
             f"--temp-dir={ray_tmp}",
             "--disable-usage-stats",
@@ -92,7 +96,7 @@ def test_job_submit_to_local_head(tmp_path):
             f"--set=run.output_dir={out}",
             "--set=run.name=job",
         ]
-        deadline = time.monotonic() + 300  # a loaded machine starts the agent slowly
+        deadline = time.monotonic() + 180  # a loaded machine starts the agent slowly
         while True:  # the head's job agent registers a little after the job API answers
             job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=900)
             if job.returncode == 0 or "No available agent" not in job.stderr:
