@@ -173,12 +173,22 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-async def _respond(work: Callable[[], Awaitable[dict[str, Any]]]) -> JSONResponse:
-    """Run a handler; an ApiError becomes its status with an OpenAI-style JSON error body."""
+async def _respond(
+    work: Callable[[], Awaitable[dict[str, Any]]], timing: dict[str, float] | None = None
+) -> JSONResponse:
+    """Run a handler; an ApiError becomes its status with an OpenAI-style JSON error body.
+
+    The phases the handler timed into `timing` (seconds) go out as a `Server-Timing` header, so
+    an operator (and the bench) sees what the gate costs inside the replica."""
     try:
-        return JSONResponse(await work())
+        response = JSONResponse(await work())
     except ApiError as err:
-        return JSONResponse(err.body(), status_code=err.status)
+        response = JSONResponse(err.body(), status_code=err.status)
+    if timing:
+        response.headers["Server-Timing"] = ", ".join(
+            f"{name};dur={seconds * 1e3:.3f}" for name, seconds in timing.items()
+        )
+    return response
 
 
 def _cause(err: Exception) -> str:
@@ -233,12 +243,14 @@ class CSAServer:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> JSONResponse:
         """OpenAI chat completion through the CSA gate."""
-        return await _respond(lambda: self._complete(request, "chat"))
+        timing: dict[str, float] = {}
+        return await _respond(lambda: self._complete(request, "chat", timing), timing)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> JSONResponse:
         """OpenAI text completion (raw prompt, no chat template) through the CSA gate."""
-        return await _respond(lambda: self._complete(request, "text"))
+        timing: dict[str, float] = {}
+        return await _respond(lambda: self._complete(request, "text", timing), timing)
 
     @api.post("/v1/feedback")
     async def feedback(self, request: Request) -> JSONResponse:
@@ -258,7 +270,11 @@ class CSAServer:
 
     # ----------------------------------------------------------------- request handling
 
-    async def _complete(self, request: Request, kind: str) -> dict[str, Any]:
+    async def _complete(
+        self, request: Request, kind: str, timing: dict[str, float]
+    ) -> dict[str, Any]:
+        """Sample K answers, score their vote and ask the stream owner whether to release; the
+        seconds spent generating, voting and deciding are written into `timing`."""
         schema = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_body(await read_body(request, self.s.max_body_bytes), schema)
         ask = check_generation_request(
@@ -287,16 +303,22 @@ class CSAServer:
                 param="messages" if kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
+        start = time.perf_counter()
         samples = await self._sample(prompt_ids, ask.max_tokens, ask.seed)
+        timing["generate"] = time.perf_counter() - start
+        start = time.perf_counter()
         v = vote([s.text for s in samples])
         score = self.calibration.score(v.raw)
+        timing["vote"] = time.perf_counter() - start
         decision = None
         if self.s.gate:
+            start = time.perf_counter()
             decision = await self._controller("csa_decide", ask.stream, score)
             if ask.reference is not None:
                 self._spawn(
                     self._shadow_verify(ask.stream, decision["seq"], v.answer, ask.reference)
                 )
+            timing["gate"] = time.perf_counter() - start
         verification = "none" if decision is None else "shadow" if ask.reference else "feedback"
         csa = csa_object(decision, ask.stream, score, v, len(samples), verification)
         content = samples[v.index].text if csa["released"] else self.s.fallback

@@ -355,11 +355,17 @@ def test_bad_input_is_4xx_json_and_changes_nothing(server):
 
     url = server["url"]
     client = openai_client(server)
-    resp = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model=server["model"],
         messages=[{"role": "user", "content": "2+2?"}],
         metadata={"csa_stream": "bad"},
     )
+    # The replica reports its phases: generating the K samples, voting, the gate's decide call.
+    phases = dict(p.strip().split(";dur=") for p in raw.headers["server-timing"].split(","))
+    assert list(phases) == ["generate", "vote", "gate"]
+    assert all(float(ms) > 0 for ms in phases.values())
+    assert float(phases["generate"]) > float(phases["vote"])
+    resp = raw.parse()
     assert feedback(url, resp.csa["seq"], True, "bad").status_code == 200
     before = {s: remote_state(server, s) for s in STREAMS}
     files = {p.name: p.read_bytes() for p in server["state_dir"].iterdir()}
