@@ -1,8 +1,16 @@
 """Tandem rollout cost: co-written (senior + frozen junior) rollouts against single-model rollouts
-of the same batch on the same engine kind.
+of the same batch on the same engine kind; with --train, GRPO vs Tandem vs KL-to-junior training.
 
     .venv/bin/python bench/tandem.py --model tiny|smollm2|PATH [--junior PATH] --prompts 8 \
         --n 4 --max-tokens 128 --repeats 3 [--oracle]
+    .venv/bin/python bench/tandem.py --train --steps 12 --seeds 0 1 2 [--eval-n 8]
+    .venv/bin/python bench/tandem.py --train --steps 1 --seeds 0 --eval-n 2 --k 1 2   # smoke run
+
+Training mode: configs/tiny.yaml (GRPO), tiny-tandem.yaml (Tandem) and tiny-kl-junior.yaml (KL to
+the frozen base) trained with the same seeds and steps through the actors, then each final
+checkpoint evaluated by `workflows.evaluate.evaluate_tandem` against the same junior (the shared
+SFT-warmed start) on the held-out problems; handoff turns end at "\\n" (the task's step
+separator). Writes a table (mean ± sd over seeds) as markdown, JSON and a PNG.
 
 Variants, all in this process: `vllm solo` (a plain engine on the senior), `vllm tandem` (the
 combined engine, `rlvr.generation.tandem_vllm`), `vllm tandem-engine solo` (the combined engine
@@ -148,6 +156,157 @@ def plot(rows: dict[str, dict[str, float]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+CONFIGS = {
+    "grpo": "tiny.yaml",
+    "tandem": "tiny-tandem.yaml",
+    "kl-junior": "tiny-kl-junior.yaml",
+}
+TRAIN_COMMON = ["run.eval_every=0", "run.keep_last=1"]
+COLUMNS = {
+    "solo pass@1": ("solo_senior", "1"),
+    "solo pass@K": ("solo_senior", "K"),
+    "HR strict pass@1": ("strict", "1"),
+    "HR strict pass@K": ("strict", "K"),
+    "HR stochastic pass@1": ("stochastic", "1"),
+    "HR stochastic pass@K": ("stochastic", "K"),
+    "junior CE": ("legibility", "junior_ce"),
+    "overlap": ("legibility", "overlap"),
+    "KL(senior ‖ junior)": ("drift", "kl_to_junior"),
+}
+
+
+def metric(report: dict, column: str, k_max: int) -> float:
+    """One table cell of one evaluation report."""
+    part, key = COLUMNS[column]
+    if part == "legibility":
+        return report["legibility"][key]["mean"]
+    if part == "drift":
+        return report["drift"][key]
+    block = report[part] if part == "solo_senior" else report["handoff"][part]
+    return block["pass_at_k"][str(k_max) if key == "K" else key]["mean"]
+
+
+def train_compare(args: argparse.Namespace) -> None:
+    """Train the three methods per seed, evaluate every final checkpoint against the same junior."""
+    import tempfile
+
+    import ray
+
+    from rlvr.config import load_config
+    from workflows.cli import init_ray, ray_env
+    from workflows.evaluate import EvalSettings, evaluate_tandem
+    from workflows.train import prepare, train
+
+    ray_env()
+    configs = {name: ROOT / "configs" / f for name, f in CONFIGS.items()}
+    init_ray(load_config(configs["grpo"], TRAIN_COMMON))
+    reports: dict[str, dict[int, dict]] = {name: {} for name in CONFIGS}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for seed in args.seeds:
+                for name, path in configs.items():
+                    overrides = [
+                        *TRAIN_COMMON,
+                        f"run.steps={args.steps}",
+                        f"run.seed={seed}",
+                        f"run.name=bench-tandem-{name}-s{seed}",
+                        *args.set,
+                    ]
+                    cfg = load_config(path, overrides)
+                    prepared = prepare(cfg)
+                    junior, _, test = prepared
+                    summary = train(cfg, Path(tmp) / f"{name}-s{seed}", prepared=prepared)
+                    g = cfg.generation
+                    settings = EvalSettings(
+                        n=args.eval_n,
+                        ks=tuple(args.k),
+                        temperature=args.eval_temperature,
+                        top_p=args.eval_top_p,
+                        max_tokens=g.max_tokens,
+                        context_len=g.max_model_len,
+                        step_boundary="\n",
+                        seed=seed,
+                        verifier_timeout_s=cfg.verifier.timeout_s,
+                    )
+                    engine = {"dtype": cfg.model.dtype}
+                    if args.eval_backend == "vllm":
+                        engine.update(
+                            max_model_len=g.max_model_len,
+                            kv_cache_gib=g.kv_cache_gib,
+                            enforce_eager=g.enforce_eager,
+                        )
+                    reports[name][seed] = evaluate_tandem(
+                        Path(summary["final_model"]),
+                        junior,
+                        {cfg.task.name: test},
+                        cfg.task.instruction,
+                        settings,
+                        args.eval_backend,
+                        engine,
+                    )
+    finally:
+        ray.shutdown()
+    k_max = max(args.k)
+    rows = {}
+    for name, per_seed in reports.items():
+        row = {}
+        for column in COLUMNS:
+            values = [metric(per_seed[s], column, k_max) for s in args.seeds]
+            row[column] = {
+                "mean": statistics.mean(values),
+                "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "values": values,
+            }
+        rows[name] = row
+    header = [c.replace("@K", f"@{k_max}") for c in COLUMNS]
+    lines = [
+        f"Tiny model, arithmetic, {args.steps} steps, seeds {args.seeds}, n={args.eval_n} "
+        f"samples per held-out problem; mean ± sd over seeds; junior = the shared SFT-warmed "
+        "start; handoff turns end at newlines.",
+        "",
+        "| method | " + " | ".join(header) + " |",
+        "|---|" + "---|" * len(header),
+    ]
+    for name, row in rows.items():
+        cells = [f"{row[c]['mean']:.4f} ± {row[c]['sd']:.4f}" for c in COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_compare.md").write_text(table + "\n")
+    (out / "train_compare.json").write_text(
+        json.dumps({"args": vars(args), "rows": rows, "reports": reports}, indent=1)
+    )
+    plot_compare(rows, reports, k_max, out / "train_compare.png")
+    print(f"wrote {out}")
+
+
+def plot_compare(rows: dict, reports: dict, k_max: int, path: Path) -> None:
+    """One bar panel per table column (mean ± sd over seeds) and the mean survival curves."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(16, 7), layout="constrained")
+    axes = fig.subplots(2, 5).ravel()
+    names = list(rows)
+    for ax, column in zip(axes, COLUMNS, strict=False):
+        ax.bar(
+            names,
+            [rows[n][column]["mean"] for n in names],
+            yerr=[rows[n][column]["sd"] for n in names],
+            capsize=3,
+        )
+        ax.set_title(column.replace("@K", f"@{k_max}"), fontsize=9)
+    ax = axes[len(COLUMNS)]
+    for name, per_seed in reports.items():
+        curves = [r["drift"]["survival"] for r in per_seed.values()]
+        taus = next(iter(per_seed.values()))["drift"]["taus"]
+        ax.plot(taus, [statistics.mean(v) for v in zip(*curves, strict=True)], label=name)
+    ax.set(title="drift survival S(tau)", xlabel="tau")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="senior: 'tiny', 'smollm2' or a dir")
@@ -163,7 +322,19 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="let vLLM compile the models")
     parser.add_argument("--oracle", action="store_true", help="also time the segment loop")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "tandem"))
+    parser.add_argument("--train", action="store_true", help="training comparison mode")
+    parser.add_argument("--steps", type=int, default=12, help="--train: steps per run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--train: seeds")
+    parser.add_argument("--eval-n", type=int, default=8, help="--train: samples per problem")
+    parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8], help="--train: pass@k")
+    parser.add_argument("--eval-temperature", type=float, default=0.7)
+    parser.add_argument("--eval-top-p", type=float, default=0.8)
+    parser.add_argument("--eval-backend", default="vllm", choices=["vllm", "hf"])
+    parser.add_argument("--set", action="append", default=[], help="--train: config override")
     args = parser.parse_args()
+    if args.train:
+        train_compare(args)
+        return
 
     runs, closers = variants(args)
     try:

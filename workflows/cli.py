@@ -1,4 +1,5 @@
-"""The `rlvr` command: train, resume, demo, plot, serve, calibrate, and DRO's filter and rubrics.
+"""The `rlvr` command: train, resume, demo, plot, serve, calibrate, evaluate (Tandem), and DRO's
+filter and rubrics.
 
 `rlvr train` starts a local Ray cluster bound to 127.0.0.1, or joins the cluster named by
 RAY_ADDRESS (as `ray job submit` sets it). Configuration errors exit with status 2 before any
@@ -161,6 +162,42 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """`rlvr evaluate`: Tandem's held-out metrics of a checkpoint against a junior, in this process."""
+    from workflows.evaluate import run_evaluate
+
+    if args.n < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError(
+            "invalid evaluation input: need --n >= 1, --temperature >= 0, 0 < --top-p <= 1"
+        )
+    optional = {"max_tokens": args.max_tokens, "seed": args.seed}
+    out, report = run_evaluate(
+        args.checkpoint,
+        junior=args.junior,
+        config=args.config,
+        out=args.out,
+        backend=args.backend,
+        n=args.n,
+        ks=tuple(args.k),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        step_boundary=args.step_boundary.encode().decode("unicode_escape"),
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+    summary = {
+        "out": str(out),
+        "solo pass@k": {k: v["mean"] for k, v in report["solo_senior"]["pass_at_k"].items()},
+        "handoff strict pass@k": {
+            k: v["mean"] for k, v in report["handoff"]["strict"]["pass_at_k"].items()
+        },
+        "junior CE": report["legibility"]["junior_ce"]["mean"],
+        "overlap": report["legibility"]["overlap"]["mean"],
+        "KL(senior || junior)": report["drift"]["kl_to_junior"],
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def cmd_dro_offline(args: argparse.Namespace) -> int:
     """`rlvr filter` / `rlvr rubrics`: DRO's offline passes, in this process."""
     from workflows.dro_offline import run_filter, run_rubrics
@@ -231,6 +268,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="budgets whose grids are written",
     )
     c.set_defaults(fn=cmd_calibrate)
+
+    ev = sub.add_parser(
+        "evaluate", help="Tandem metrics of a checkpoint against a junior (JSON + plots)"
+    )
+    ev.add_argument(
+        "--checkpoint",
+        required=True,
+        help="run directory, its final/ or a step checkpoint, an HF directory or a PEFT adapter",
+    )
+    ev.add_argument("--junior", help="junior model directory (default: the run's starting model)")
+    ev.add_argument("--config", help="run config (default: the run directory's config.yaml)")
+    ev.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8], help="pass@k values of k")
+    ev.add_argument("--n", type=int, default=8, help="samples and handoff chains per problem")
+    ev.add_argument("--out", help="output folder (default: <run>/tandem_eval-<checkpoint>)")
+    ev.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    ev.add_argument("--temperature", type=float, default=0.7)
+    ev.add_argument("--top-p", type=float, default=0.8)
+    ev.add_argument("--max-tokens", type=int, help="default: the config's generation.max_tokens")
+    ev.add_argument(
+        "--step-boundary",
+        default="\\n\\n",
+        help="handoff turns end at this string (escapes allowed; the tiny task's steps end in \\n)",
+    )
+    ev.add_argument("--seed", type=int, help="base sampling seed (default 0)")
+    ev.set_defaults(fn=cmd_evaluate)
 
     for name, text, out in (
         (

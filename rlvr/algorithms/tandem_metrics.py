@@ -357,3 +357,20 @@ def over_emitted(
     return [
         (int(v), float(log_ratio[v]), int(counts_model[v]), int(counts_junior[v])) for v in order
     ]
+
+
+def pass_at_k_table(
+    correct: Mapping[str, Mapping[Hashable, Sequence[bool]]], ks: Sequence[int]
+) -> dict[int, dict[str, dict[Hashable, list[float]]]]:
+    """Per-problem pass@k for each k from per-sample verdicts (`correct[benchmark][problem]`), in
+    `macro_mean`'s layout: `table[k][benchmark][problem] = [pass@k]`.
+
+    n is each problem's own sample count, so k must not exceed it.
+    """
+    return {
+        k: {
+            bench: {prob: [pass_at_k(len(v), int(sum(v)), k)] for prob, v in problems.items()}
+            for bench, problems in correct.items()
+        }
+        for k in ks
+    }

@@ -21,6 +21,7 @@ from rlvr.algorithms.tandem_metrics import (
     marginal_drift,
     over_emitted,
     pass_at_k,
+    pass_at_k_table,
     pushback,
     smoothed_distribution,
     survival_curve,
@@ -42,6 +43,15 @@ def test_pass_at_k_by_hand():
         pass_at_k(8, 9, 1)
     with pytest.raises(ValueError):
         pass_at_k(8, 2, 9)
+
+
+def test_pass_at_k_table_is_per_problem_pass_at_k_in_macro_layout():
+    correct = {"a": {"p": [True, False, False, False], "q": [False] * 4}, "b": {"r": [True] * 2}}
+    table = pass_at_k_table(correct, [1, 2])
+    # p: n=4, c=1 -> pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert table[1] == {"a": {"p": [0.25], "q": [0.0]}, "b": {"r": [1.0]}}
+    assert table[2] == {"a": {"p": [0.5], "q": [0.0]}, "b": {"r": [1.0]}}
+    assert macro_mean(table[2]).macro == pytest.approx((0.25 + 1.0) / 2)
 
 
 def test_macro_is_the_mean_of_benchmark_means_of_problem_means():
