@@ -1,15 +1,25 @@
-"""GRPO vs DUET at full (b = 1) and half (b = 0.5) token budget on the arithmetic task.
+"""GRPO vs DUET (and its allocator-only / abort-only ablations) and DAPO dynamic sampling at
+token budgets b = 1, 0.5, 0.25 on the arithmetic task, for the tiny model or SmolLM2-135M.
 
-Every variant gets its own actors (a small CPU reservation each; about 3 GiB of memory per
-variant) and the variants step in turn, step by step, starting with a different one each step, so
-all see the same machine load; they share the model, the prompt pool, the seeds and the number of
-steps. GRPO at budget b samples 8b rollouts per prompt; DUET spends the budget
-b * 8 * sum L_hat on per-prompt counts and stops/aborts rollouts inside the vLLM engine. The
-prompt pool is small so prompts recur (DUET's allocator needs revisits; digest section 10.21).
-Timing medians skip the first `--warmup` steps; held-out accuracy is greedy after the last step.
+Every variant gets its own actors (0.2 CPU reserved, about 1.5 GiB of memory with the tiny
+model) and the variants step in turn, step by step, starting with a different one each step, so
+all see the same machine load; they share the model, the prompt pool, the seeds and the number
+of steps. GRPO at budget b samples 8b rollouts per prompt; DUET spends the budget
+b * 8 * sum L_hat on per-prompt counts and stops/aborts rollouts inside the vLLM engine;
+`duet-alloc-only` keeps the allocator but no stop rule, `duet-abort-only` the stop rule with
+round(8b) rollouts per prompt; DAPO samples 8 per prompt, drops all-equal groups and refills
+with fresh prompts (up to 3 rounds), paying for every generated token. The prompt pool is small
+so prompts recur (DUET's allocator needs revisits; digest section 10.21). Timing medians skip
+the first `--warmup` steps; held-out accuracy is greedy after the last step.
 
-    .venv/bin/python bench/duet.py --steps 12 --seeds 0 1 2
-    .venv/bin/python bench/duet.py --steps 2 --seeds 0          # smoke run
+The tiny preset runs all nine variants by default: a 1-step run of all nine took 3.5 min with
+startup and peaked at about 14 GiB (2 cores), so the default 12 steps x 3 seeds should take
+roughly 20-25 min; `--variants` picks a subset (fewer actors, less memory). The smollm2 preset
+defaults to three variants, 4 steps and one seed.
+
+    .venv/bin/python bench/duet.py                                    # tiny: 12 steps, 3 seeds
+    .venv/bin/python bench/duet.py --preset smollm2                   # 4 steps, seed 0
+    .venv/bin/python bench/duet.py --steps 2 --seeds 0 --variants "grpo b=1" "duet b=0.5"
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import json
 import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,38 +36,124 @@ from workflows.cli import ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "configs" / "tiny.yaml"
 N_REF = 8
-# Shared by every variant: a small reservation per actor (the variants take turns), a prompt pool
-# that recurs every few steps, no evaluation inside the run.
+# Shared by every variant: a nominal CPU reservation per actor (the variants take turns, and
+# torch's threads do not follow it), small enough that all nine variants (0.2 CPU each) fit a
+# 2-core cluster; no evaluation inside the run.
 COMMON = [
     "run.eval_every=0",
-    "resources.policy_cpus=0.25",
-    "resources.generator_cpus=0.25",
+    "resources.policy_cpus=0.1",
+    "resources.generator_cpus=0.1",
     "resources.num_verifiers=1",
 ]
-# The digest's small-scale settings (section 11 F2), scaled to the tiny preset's 48 tokens.
-DUET = [
-    "algorithm.duet.enabled=true",
-    f"algorithm.duet.n_ref={N_REF}",
-    "algorithm.duet.grace=4",
-    "algorithm.duet.poll_every=2",
-    "algorithm.duet.length_window=256",
-    "algorithm.duet.refit_every=5",
-    "algorithm.duet.k1_min=8",
-    "algorithm.duet.k2_gap=8",
-]
-VARIANTS: dict[str, tuple[str, float, list[str]]] = {
-    "grpo b=1": ("grpo", 1.0, [f"generation.group_size={N_REF}"]),
-    "grpo b=0.5": ("grpo", 0.5, [f"generation.group_size={N_REF // 2}"]),
-    "duet b=1": ("duet", 1.0, [*DUET, "algorithm.duet.b=1"]),
-    "duet b=0.5": ("duet", 0.5, [*DUET, "algorithm.duet.b=0.5"]),
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A base config and the settings the bench runs it with."""
+
+    label: str
+    config: Path
+    steps: int
+    seeds: list[int]
+    n_train: int
+    duet: list[str]
+    """DUET's stop-rule and K-window settings scaled to the preset's max_tokens."""
+    variants: list[str]
+    """Default variants (the full list is `VARIANT_NAMES`)."""
+
+
+PRESETS = {
+    # The digest's small-scale settings (section 11 F2: G 8, poll 2, W 256, N 5 at L_max 96),
+    # scaled to the tiny preset's 48 tokens. 32 prompts at 8 per step: a prompt recurs every 4
+    # steps.
+    "tiny": Preset(
+        label="Tiny model",
+        config=ROOT / "configs" / "tiny.yaml",
+        steps=12,
+        seeds=[0, 1, 2],
+        n_train=32,
+        duet=[
+            "algorithm.duet.grace=4",
+            "algorithm.duet.poll_every=2",
+            "algorithm.duet.length_window=256",
+            "algorithm.duet.refit_every=5",
+            "algorithm.duet.k1_min=8",
+            "algorithm.duet.k2_gap=8",
+        ],
+        variants=[
+            "grpo b=1",
+            "grpo b=0.5",
+            "grpo b=0.25",
+            "duet b=1",
+            "duet b=0.5",
+            "duet b=0.25",
+            "duet-alloc-only b=0.5",
+            "duet-abort-only b=0.5",
+            "dapo b=1",
+        ],
+    ),
+    # SmolLM2-135M with LoRA (configs/smollm2-arith.yaml, max_tokens 96): 45-60 s per step of 64
+    # samples on 2 cores, so 4 steps and one seed by default. The paper's defaults scaled by
+    # 96 / 3072 (its L_max): grace 150 -> 4.7, rounded up to 5 tokens (room for the closing
+    # sentence after \boxed{}); poll 8 -> 0.25, i.e. every token (the decode of <= 96 tokens is
+    # cheap next to a 135M forward); k1_min 32 -> 1; k2_gap 50 -> 1.6 -> 2. The K-window is one
+    # full-budget step of rollouts (the paper's W = 1024 = 128 prompts x 8) and refits every 2
+    # steps, so K1/K2 leave their cold values (0.3 / 0.7 of 96) once within 4 steps. 16 prompts
+    # at 8 per step: every prompt recurs from step 2 on, where the allocator starts to act.
+    "smollm2": Preset(
+        label="SmolLM2-135M-Instruct (LoRA)",
+        config=ROOT / "configs" / "smollm2-arith.yaml",
+        steps=4,
+        seeds=[0],
+        n_train=16,
+        duet=[
+            "algorithm.duet.grace=5",
+            "algorithm.duet.poll_every=1",
+            "algorithm.duet.length_window=64",
+            "algorithm.duet.refit_every=2",
+            "algorithm.duet.k1_min=1",
+            "algorithm.duet.k2_gap=2",
+        ],
+        variants=["grpo b=1", "grpo b=0.5", "duet b=0.5"],
+    ),
 }
+
+
+def variants(preset: Preset) -> dict[str, tuple[str, float, list[str]]]:
+    """Every variant: name -> (method, budget fraction b, config overrides)."""
+    duet = ["algorithm.duet.enabled=true", f"algorithm.duet.n_ref={N_REF}", *preset.duet]
+    return {
+        "grpo b=1": ("grpo", 1.0, [f"generation.group_size={N_REF}"]),
+        "grpo b=0.5": ("grpo", 0.5, [f"generation.group_size={N_REF // 2}"]),
+        "grpo b=0.25": ("grpo", 0.25, [f"generation.group_size={N_REF // 4}"]),
+        "duet b=1": ("duet", 1.0, [*duet, "algorithm.duet.b=1"]),
+        "duet b=0.5": ("duet", 0.5, [*duet, "algorithm.duet.b=0.5"]),
+        "duet b=0.25": ("duet", 0.25, [*duet, "algorithm.duet.b=0.25"]),
+        "duet-alloc-only b=0.5": (
+            "duet",
+            0.5,
+            [*duet, "algorithm.duet.b=0.5", "algorithm.duet.early_stop=false"],
+        ),
+        "duet-abort-only b=0.5": (
+            "duet",
+            0.5,
+            [*duet, "algorithm.duet.b=0.5", "algorithm.duet.allocate=false"],
+        ),
+        "dapo b=1": (
+            "dapo",
+            1.0,
+            [f"generation.group_size={N_REF}", "algorithm.dynamic_sampling.enabled=true"],
+        ),
+    }
+
+
+VARIANT_NAMES = list(variants(PRESETS["tiny"]))
 CONTROLLER_KEYS = ("time_plan", "time_duet_state")
 
 
 def run_seed(
-    seed: int, steps: int, n_train: int, overrides: list[str], variants: list[str]
+    preset: Preset, seed: int, steps: int, n_train: int, overrides: list[str], names: list[str]
 ) -> dict[str, Any]:
     """The variants for one seed, stepping in turn; per variant its step metrics and final eval."""
     from transformers import AutoTokenizer
@@ -66,15 +163,16 @@ def run_seed(
     from workflows.components import start_components
     from workflows.train import Trainer, prepare
 
+    table = variants(preset)
     trainers: dict[str, Trainer] = {}
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            for name in variants:
-                extra = VARIANTS[name][2]
+            for name in names:
+                extra = table[name][2]
                 tag = name.replace(" ", "-").replace("=", "")
                 cfg = load_config(
-                    CONFIG,
+                    preset.config,
                     [
                         *COMMON,
                         f"task.n_train={n_train}",
@@ -98,8 +196,8 @@ def run_seed(
             out = {name: {"steps": []} for name in trainers}
             for step in range(steps):
                 # rotate who goes first: the first variant of a round may see other caches
-                for i in range(len(variants)):
-                    name = variants[(step + i) % len(variants)]
+                for i in range(len(names)):
+                    name = names[(step + i) % len(names)]
                     out[name]["steps"].append(trainers[name].step(step))
             for name, trainer in trainers.items():
                 out[name]["eval"] = trainer.evaluate(steps - 1)
@@ -109,11 +207,14 @@ def run_seed(
     return out
 
 
-def summarize(runs: dict[int, dict[str, Any]], warmup: int) -> dict[str, dict[str, float]]:
+def summarize(
+    runs: dict[int, dict[str, Any]], warmup: int, preset: Preset
+) -> dict[str, dict[str, float]]:
     """Per variant: accuracy mean/sd over seeds, medians of per-step figures over seeds and steps."""
+    table = variants(preset)
     rows: dict[str, dict[str, float]] = {}
     for name in next(iter(runs.values())):
-        method, b, _ = VARIANTS[name]
+        method, b, _ = table[name]
         per_seed = [runs[s][name] for s in sorted(runs)]
         timed = [m for r in per_seed for m in r["steps"][warmup:]] or [
             m for r in per_seed for m in r["steps"]
@@ -135,6 +236,9 @@ def summarize(runs: dict[int, dict[str, Any]], warmup: int) -> dict[str, dict[st
         if method == "duet":
             row["abort_rate"] = statistics.median(m["duet_abort_rate"] for m in timed)
             row["n_std"] = statistics.median(m["duet_n_std"] for m in timed)
+        if method == "dapo":
+            row["dapo_rounds"] = statistics.median(m["dapo_rounds"] for m in timed)
+            row["dapo_dropped"] = statistics.median(m["dapo_dropped_groups"] for m in timed)
         rows[name] = row
     full = rows.get("grpo b=1", {}).get("step_s", float("nan"))
     for row in rows.values():
@@ -144,25 +248,29 @@ def summarize(runs: dict[int, dict[str, Any]], warmup: int) -> dict[str, dict[st
     return rows
 
 
-def format_table(rows: dict[str, dict[str, float]], seeds: list[int], steps: int) -> str:
-    """Markdown table of `summarize`'s rows."""
+def format_table(
+    rows: dict[str, dict[str, float]], seeds: list[int], steps: int, label: str
+) -> str:
+    """Markdown table of `summarize`'s rows (tokens and rollouts count every generated one,
+    DAPO's dropped groups included)."""
     lines = [
-        f"Tiny model, arithmetic, {steps} steps, seeds {seeds} (accuracy: mean ± sd over seeds; "
+        f"{label}, arithmetic, {steps} steps, seeds {seeds} (accuracy: mean ± sd over seeds; "
         "per-step figures: medians).",
         "",
         "| variant | held-out acc | tokens/step | rollouts/step | gen s/step | total s/step "
         "| speedup vs GRPO same b | speedup vs GRPO b=1 | controller % of step | abort rate "
-        "| n_q std |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| n_q std | DAPO rounds | DAPO dropped groups |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
-        duet = r["method"] == "duet"
+        duet, dapo = r["method"] == "duet", r["method"] == "dapo"
         lines.append(
             f"| {name} | {r['accuracy']:.3f} ± {r['accuracy_sd']:.3f} | {r['tokens']:.0f} "
             f"| {r['rollouts']:.0f} | {r['generate_s']:.2f} | {r['step_s']:.2f} "
             f"| {r['speedup_same_b']:.2f}x | {r['speedup_full']:.2f}x "
             f"| {100 * r['controller_frac']:.2f} "
-            + (f"| {r['abort_rate']:.3f} | {r['n_std']:.2f} |" if duet else "| - | - |")
+            + (f"| {r['abort_rate']:.3f} | {r['n_std']:.2f} " if duet else "| - | - ")
+            + (f"| {r['dapo_rounds']:.1f} | {r['dapo_dropped']:.1f} |" if dapo else "| - | - |")
         )
     return "\n".join(lines)
 
@@ -211,37 +319,48 @@ def plot(runs: dict[int, dict[str, Any]], rows: dict[str, dict[str, float]], pat
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=12, help="training steps per variant and seed")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model and base config")
+    ap.add_argument("--steps", type=int, help="training steps per variant and seed (preset's)")
+    ap.add_argument("--seeds", type=int, nargs="+", help="seeds (preset's by default)")
     ap.add_argument("--warmup", type=int, default=1, help="first steps left out of timing medians")
-    ap.add_argument("--n-train", type=int, default=32, help="prompt pool (small: prompts recur)")
+    ap.add_argument("--n-train", type=int, help="prompt pool, small so prompts recur (preset's)")
     ap.add_argument(
-        "--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="NAME"
+        "--variants",
+        nargs="+",
+        choices=VARIANT_NAMES,
+        metavar="NAME",
+        help=f"variants (preset's default subset); all: {VARIANT_NAMES}",
     )
     ap.add_argument("--set", action="append", default=[], help="config override for all variants")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "duet"), help="output folder")
     args = ap.parse_args()
+    preset = PRESETS[args.preset]
+    steps = args.steps or preset.steps
+    seeds = args.seeds or preset.seeds
+    names = args.variants or preset.variants
 
     import ray
 
     from rlvr.config import load_config
     from workflows.cli import init_ray
 
-    init_ray(load_config(CONFIG, [*COMMON, *args.set]))
+    init_ray(load_config(preset.config, [*COMMON, *args.set]))
     try:
         runs = {
-            s: run_seed(s, args.steps, args.n_train, args.set, args.variants) for s in args.seeds
+            s: run_seed(preset, s, steps, args.n_train or preset.n_train, args.set, names)
+            for s in seeds
         }
     finally:
         ray.shutdown()
-    rows = summarize(runs, args.warmup)
-    table = format_table(rows, args.seeds, args.steps)
+    rows = summarize(runs, args.warmup, preset)
+    table = format_table(rows, seeds, steps, preset.label)
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "duet_tiny.md").write_text(table + "\n")
-    (out / "duet_tiny.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
-    plot(runs, rows, out / "duet_tiny.png")
+    stem = f"duet_{args.preset}"
+    (out / f"{stem}.md").write_text(table + "\n")
+    (out / f"{stem}.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
+    plot(runs, rows, out / f"{stem}.png")
 
 
 if __name__ == "__main__":

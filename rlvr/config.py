@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlvr.algorithms import dro, laconic
+from rlvr.algorithms import dro, duet, laconic
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 128)
 
@@ -228,6 +228,16 @@ class DuetConfig(Section):
     refit_every: int = Field(10, gt=0, description="Steps between K1/K2 refits.")
     k1_min: int = Field(32, ge=0, description="Lower clamp of K1 (poll start).")
     k2_gap: int = Field(50, ge=0, description="K2 is at least K1 + k2_gap.")
+    allocate: bool = Field(
+        True,
+        description="Neyman allocation of per-prompt counts; False (ablation): every prompt gets "
+        "round(b * n_ref) rollouts and s_pre = 1.",
+    )
+    early_stop: bool = Field(
+        True,
+        description="Marker-gated stop/abort in the engine; False (ablation): every rollout runs "
+        "to EOS or max_tokens and weights are 1 / s_pre.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> DuetConfig:
@@ -240,6 +250,9 @@ class DuetConfig(Section):
                 f"b={self.b}: b * n_ref = {self.b * self.n_ref:g} is below n_min={self.n_min}, so "
                 "every prompt would get n_min rollouts and the budget could never bind"
             )
+        if not self.allocate:
+            # raises naming b when the fixed count round(b * n_ref) leaves [n_min, n_max]
+            duet.fixed_count(self.b, self.n_ref, self.n_min, self.n_max)
         return self
 
 
@@ -359,6 +372,19 @@ class TandemConfig(Section):
     )
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling for plain GRPO: drop all-equal groups, refill with fresh prompts."""
+
+    enabled: bool = Field(
+        False,
+        description="Drop groups whose rewards are all equal and generate groups for fresh "
+        "prompts until prompts_per_step informative groups are collected.",
+    )
+    max_rounds: int = Field(
+        3, ge=1, description="Generation rounds per step, the first one included."
+    )
+
+
 class AlgorithmConfig(Section):
     name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
     advantage_scale: Literal["group", "none"] = Field(
@@ -369,6 +395,7 @@ class AlgorithmConfig(Section):
     duet: DuetConfig = Field(default_factory=DuetConfig)
     dro: DroConfig = Field(default_factory=DroConfig)
     tandem: TandemConfig = Field(default_factory=TandemConfig)
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
 
 
 class VerifierConfig(Section):
@@ -447,7 +474,26 @@ class Config(Section):
             self._check_dro()
         if self.algorithm.tandem.enabled:
             self._check_tandem()
+        if self.algorithm.dynamic_sampling.enabled:
+            self._check_dynamic_sampling()
         return self
+
+    def _check_dynamic_sampling(self) -> None:
+        a = self.algorithm
+        others = {
+            "DUET (algorithm.duet.enabled)": a.duet.enabled,
+            "Tandem (algorithm.tandem.enabled)": a.tandem.enabled,
+            "DRO (algorithm.dro.enabled)": a.dro.enabled,
+            # LACONIC's dual is defined over every response of a step; which responses a
+            # filtered step would feed it is not defined by either method.
+            "LACONIC (algorithm.laconic.enabled)": a.laconic.enabled,
+        }
+        on = [name for name, enabled in others.items() if enabled]
+        if on:
+            raise ValueError(
+                "algorithm.dynamic_sampling.enabled: DAPO dynamic sampling is a plain-GRPO "
+                f"baseline and cannot run with {', '.join(on)}"
+            )
 
     def _check_tandem(self) -> None:
         a = self.algorithm
@@ -487,6 +533,12 @@ class Config(Section):
                 "algorithm.advantage_scale must be 'group' with DUET (its advantages are "
                 "group-normalised, digest Eq. 6)"
             )
+        if not (du.allocate or du.early_stop):
+            raise ValueError(
+                "algorithm.duet.allocate and algorithm.duet.early_stop are both false: that is "
+                "plain GRPO with round(b * n_ref) rollouts per prompt; turn one of them on or use "
+                "generation.group_size"
+            )
         if du.grace >= max_tokens:
             raise ValueError(
                 f"algorithm.duet.grace={du.grace} must be below generation.max_tokens={max_tokens}"
@@ -523,12 +575,16 @@ class Config(Section):
             "refit_every": du.refit_every,
             "k1_min": du.k1_min,
             "k2_gap": du.k2_gap,
+            "allocate": du.allocate,
         }
 
-    def duet_stop(self, k1: int, k2: int, step: int) -> dict[str, Any]:
+    def duet_stop(self, k1: int, k2: int, step: int) -> dict[str, Any] | None:
         """Settings of one step's `StopControllerFactory` (all but the decode function and the
-        request sizes, which the GeneratorActor supplies)."""
+        request sizes, which the GeneratorActor supplies); None when the `early_stop` ablation
+        is off, so no stop rule runs in the engine."""
         du = self.algorithm.duet
+        if not du.early_stop:
+            return None
         return {
             "k1": k1,
             "k2": k2,

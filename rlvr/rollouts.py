@@ -7,7 +7,8 @@ shaping also weights each rollout and masks the aborted ones out of the loss.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,51 @@ class Rollouts:
 
     def __len__(self) -> int:
         return len(self.group_ids)
+
+    def take(self, rows: Sequence[int]) -> Rollouts:
+        """The given rows, in that order; per-row fields not filled yet (e.g. rewards before
+        scoring) stay empty."""
+        rows = list(rows)
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if len(value) == 0:
+                values[f.name] = value
+            elif len(value) != len(self):
+                raise ValueError(f"{f.name} has {len(value)} rows, the rollouts {len(self)}")
+            elif isinstance(value, np.ndarray):
+                values[f.name] = value[np.asarray(rows, dtype=np.int64)]
+            else:
+                values[f.name] = [value[i] for i in rows]
+        return Rollouts(**values)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Rollouts]) -> Rollouts:
+        """The rows of `parts` one after another (DAPO's rounds of one step). A per-row field is
+        joined when every non-empty part has it filled, and left empty when none has."""
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        values = {}
+        for f in fields(cls):
+            column = [getattr(p, f.name) for p in parts]
+            filled = [len(v) == len(p) for v, p in zip(column, parts, strict=True)]
+            if not any(filled):
+                values[f.name] = column[0]
+            elif not all(filled):
+                raise ValueError(f"{f.name} is filled in some parts only")
+            elif isinstance(column[0], np.ndarray):
+                values[f.name] = np.concatenate(column)
+            else:
+                values[f.name] = [x for v in column for x in v]
+        return cls(**values)
+
+    def rows_of(self, groups: Sequence[str]) -> list[int]:
+        """Row indices of the given groups, group by group in that order."""
+        by_group: dict[str, list[int]] = {}
+        for i, g in enumerate(self.group_ids):
+            by_group.setdefault(g, []).append(i)
+        return [i for g in groups for i in by_group[g]]
 
     @property
     def lengths(self) -> list[int]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from rlvr.algorithms import duet_control, laconic
+from rlvr.algorithms import duet_control, dynamic_sampling, laconic
 from rlvr.config import Config, ConfigError, check_model_for_backend, config_from_dict
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.metrics import group_stats, rollout_stats
@@ -83,14 +83,19 @@ class Trainer:
         step: int,
         duet_stop: dict[str, Any] | None = None,
         tandem: bool = False,
+        first_index: int = 0,
     ) -> Rollouts:
         """Sample n[id] responses per problem; `duet_stop` runs DUET's stop rule in the engine;
-        `tandem` co-writes every response with the frozen junior."""
+        `tandem` co-writes every response with the frozen junior. `first_index` is the step-wide
+        index of the first problem (DAPO's refill rounds continue the step's seed streams)."""
         base = params.seed if params.seed is not None else 0
         # each prompt its own seed stream: sample j of prompt i draws from base + STRIDE * i + j
         requests = [
             GenerationRequest(
-                self.prompt_ids(p), n=n[p.id], request_id=p.id, seed=base + REQUEST_SEED_STRIDE * i
+                self.prompt_ids(p),
+                n=n[p.id],
+                request_id=p.id,
+                seed=base + REQUEST_SEED_STRIDE * (first_index + i),
             )
             for i, p in enumerate(problems)
         ]
@@ -151,29 +156,35 @@ class Trainer:
             max_tokens=cfg.generation.max_tokens,
             seed=sampling_seed(cfg.run.seed, step),
         )
-        t = time.perf_counter()
-        rollouts = self.generate(
-            problems, plan["n"], params, step, duet_stop, tandem=cfg.algorithm.tandem.enabled
-        )
-        times["time_generate"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        if self.dro is not None:
-            self.dro.score(rollouts, step)  # R3 on the rollout weights, before the sync
+        dapo_stats: dict[str, Any] = {}
+        if cfg.algorithm.dynamic_sampling.enabled:
+            rollouts, trained, dapo_stats = self.collect_dynamic(problems, params, step, times)
         else:
-            self.score(rollouts)
-        times["time_verify"] = time.perf_counter() - t
+            t = time.perf_counter()
+            rollouts = self.generate(
+                problems, plan["n"], params, step, duet_stop, tandem=cfg.algorithm.tandem.enabled
+            )
+            times["time_generate"] = time.perf_counter() - t
 
-        batch, shape_stats = self.shape(rollouts, plan, step)
+            t = time.perf_counter()
+            if self.dro is not None:
+                self.dro.score(rollouts, step)  # R3 on the rollout weights, before the sync
+            else:
+                self.score(rollouts)
+            times["time_verify"] = time.perf_counter() - t
+            trained = rollouts
+
+        batch, shape_stats = self.shape(trained, plan, step) if len(trained) else (None, {})
 
         t = time.perf_counter()
-        if batch.num_loss_tokens:
+        if batch is not None and batch.num_loss_tokens:
             train_stats = comps.policy.run(
                 "train_step", batch, logprob_sums=duet_plan is not None, step=step
             )
         else:
-            # DUET aborted every rollout of the step: no loss token, so no update
-            train_stats = {"skipped": 1, "logprob_sums": [0.0] * len(batch)}
+            # DUET aborted every rollout, or DAPO found no informative group: no loss token
+            log.warning("step %d: no rollout carries a loss token; the update is skipped", step)
+            train_stats = {"skipped": 1, "logprob_sums": [0.0] * len(trained)}
         logprob_sums = train_stats.pop("logprob_sums", None)
         times["time_train"] = time.perf_counter() - t
 
@@ -185,6 +196,7 @@ class Trainer:
         metrics.update(rollout_stats(rollouts.rewards, rollouts.lengths, rollouts.finish_reasons))
         metrics.update(group_stats(rollouts.rewards, rollouts.group_ids))
         metrics.update(shape_stats)
+        metrics.update(dapo_stats)
         metrics.update({f"train_{k}": v for k, v in train_stats.items()})
         if duet_plan is not None:
             t = time.perf_counter()
@@ -206,6 +218,59 @@ class Trainer:
         )
         self._last_rollouts = rollouts
         return metrics
+
+    def collect_dynamic(
+        self, problems: list[Problem], params: SamplingParams, step: int, times: dict[str, float]
+    ) -> tuple[Rollouts, Rollouts, dict[str, Any]]:
+        """DAPO dynamic sampling: generate and score groups, drop the all-equal ones, and refill
+        with fresh prompts until the step holds `len(problems)` informative groups or
+        `max_rounds` rounds ran. Returns (every generated rollout, the kept groups' rollouts,
+        metrics); generation and verification seconds add up in `times`."""
+        ds, group_size = self.cfg.algorithm.dynamic_sampling, self.cfg.generation.group_size
+        index = {p.id: i for i, p in enumerate(self.train_problems)}
+        drawn, batch = list(problems), list(problems)
+        rounds: list[Rollouts] = []
+        kept: list[str] = []
+        dropped = 0
+        times["time_generate"] = times["time_verify"] = 0.0
+        for r in range(ds.max_rounds):
+            t = time.perf_counter()
+            part = self.generate(
+                batch,
+                {p.id: group_size for p in batch},
+                params,
+                step,
+                first_index=len(drawn) - len(batch),
+            )
+            times["time_generate"] += time.perf_counter() - t
+            t = time.perf_counter()
+            self.score(part)
+            times["time_verify"] += time.perf_counter() - t
+            rounds.append(part)
+            outcome = dynamic_sampling.sift_round(
+                part.rewards, part.group_ids, len(kept), len(problems), r, ds.max_rounds
+            )
+            kept += outcome.kept
+            dropped += len(outcome.dropped)
+            idx = dynamic_sampling.refill_indices(
+                len(self.train_problems),
+                outcome.refill,
+                [index[p.id] for p in drawn],
+                self.cfg.run.seed,
+                step,
+                r + 1,
+            )
+            if not idx:
+                break
+            batch = [self.train_problems[i] for i in idx]
+            drawn += batch
+        every = Rollouts.concat(rounds)
+        stats = {
+            "dapo_rounds": len(rounds),
+            "dapo_kept_groups": len(kept),
+            "dapo_dropped_groups": dropped,
+        }
+        return every, every.take(every.rows_of(kept)), stats
 
     def shape(
         self, rollouts: Rollouts, plan: dict[str, Any], step: int

@@ -37,6 +37,7 @@ __all__ = [
     "coin",
     "counts_at",
     "duet_advantages",
+    "fixed_count",
     "has_marker",
     "make_divisible",
     "neyman_allocation",
@@ -191,6 +192,18 @@ def allocate(
     return make_divisible(n, world_size, n_min, n_max), lam
 
 
+def fixed_count(b: float, n_ref: int, n_min: int = 1, n_max: int = 32) -> int:
+    """Rollouts per prompt when the allocator is off (the abort-only ablation): round(b * n_ref),
+    half to even, which must lie in [n_min, n_max]."""
+    n = round(b * n_ref)
+    if not n_min <= n <= n_max:
+        raise ValueError(
+            f"b={b}: round(b * n_ref) = {n} rollouts per prompt is outside "
+            f"[n_min, n_max] = [{n_min}, {n_max}]"
+        )
+    return n
+
+
 def token_budget(l_hat: Sequence[float] | np.ndarray, b: float, n_ref: int = 8) -> float:
     """Per-step budget B = b * n_ref * sum_q L_hat_q (digest [rec] 1: the reference code's form)."""
     return float(b * n_ref * np.sum(np.asarray(l_hat, dtype=np.float64)))
@@ -272,8 +285,8 @@ class StepPlan:
 
     counts: np.ndarray
     """n_q per prompt `[M]` int64."""
-    lam: float
-    """The budget dual lambda*."""
+    lam: float | None
+    """The budget dual lambda* (None when the allocator is off)."""
     s_hat: np.ndarray
     l_hat: np.ndarray
     budget: float
@@ -293,14 +306,23 @@ def plan_step(
     n_max: int = 32,
     world_size: int = 1,
     eps_pre: float = 0.05,
+    neyman: bool = True,
 ) -> StepPlan:
     """Allocate one batch: s_hat and L_hat from the state (cold L_hat = window mean, else
-    max_len), B = b * n_ref * sum L_hat, then `allocate`."""
+    max_len), B = b * n_ref * sum L_hat, then `allocate`.
+
+    `neyman=False` is the abort-only ablation: every prompt gets `fixed_count(b, n_ref)`
+    rollouts (then `make_divisible`), lambda* is None and s_pre = 1 for equal counts.
+    """
     cold = window.cold_length()
     s = np.array([state.s_hat(q) for q in prompt_ids], dtype=np.float64)
     lengths = np.array([state.l_hat(q, cold) for q in prompt_ids], dtype=np.float64)
     budget = token_budget(lengths, b, n_ref)
-    counts, lam = allocate(s, lengths, budget, n_min, n_max, world_size)
+    if neyman:
+        counts, lam = allocate(s, lengths, budget, n_min, n_max, world_size)
+    else:
+        fixed = np.full(len(s), fixed_count(b, n_ref, n_min, n_max), dtype=np.int64)
+        counts, lam = make_divisible(fixed, world_size, n_min, n_max), None
     return StepPlan(
         counts=counts,
         lam=lam,

@@ -42,8 +42,12 @@ class DuetController:
         refit_every: int = 10,
         k1_min: int = 32,
         k2_gap: int = 50,
+        allocate: bool = True,
     ) -> None:
+        """`allocate=False` is the abort-only ablation: round(b * n_ref) rollouts per prompt;
+        the per-prompt state is still tracked (its metrics stay comparable)."""
         self.b = b
+        self.allocate = allocate
         self.n_ref = n_ref
         self.n_min = n_min
         self.n_max = n_max
@@ -54,7 +58,7 @@ class DuetController:
             max_len, size=length_window, refit_every=refit_every, k1_min=k1_min, k2_gap=k2_gap
         )
         self.lam: float | None = None
-        """lambda* of the last applied step (None before the first)."""
+        """lambda* of the last applied step (None before the first, or with the allocator off)."""
         self.last_step = -1
         self._plan: tuple[int, list[str], StepPlan, dict[str, Any]] | None = None
         self._update: tuple[int, dict[str, Any]] | None = None
@@ -83,6 +87,7 @@ class DuetController:
             n_max=self.n_max,
             world_size=self.world_size,
             eps_pre=self.eps_pre,
+            neyman=self.allocate,
         )
         out = {
             "counts": plan.counts.tolist(),
