@@ -79,6 +79,7 @@ def summarize(name: str, summary: dict) -> dict:
         "reward_acc_corr": _mean([x.get("dro_reward_accuracy_corr") for x in m]),
         "reject_rate": m[-1].get("dro_reject_rate_cum", 0.0),
         "s_per_step": statistics.median(x["time_step"] for x in m),
+        "score_s": statistics.median(x["time_verify"] for x in m),
         "score_share": statistics.median(x["time_verify"] / x["time_step"] for x in m),
     }
 
@@ -86,14 +87,14 @@ def summarize(name: str, summary: dict) -> dict:
 def format_table(rows: list[dict]) -> str:
     head = (
         "| variant | held-out acc before | after | best | reward-acc corr (train) "
-        "| rejection rate | s/step (median) | scoring share of step |"
+        "| rejection rate | s/step (median) | scoring s/step | scoring share of step |"
     )
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 9]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['acc_before']:.3f} | {r['acc_after']:.3f} | {r['acc_best']:.3f} "
             f"| {r['reward_acc_corr']:.3f} | {r['reject_rate']:.3f} | {r['s_per_step']:.2f} "
-            f"| {r['score_share']:.1%} |"
+            f"| {r['score_s']:.3f} | {r['score_share']:.1%} |"
         )
     return "\n".join(lines)
 

@@ -34,6 +34,7 @@ from rlvr.tasks import load_task
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.tasks.sampler import PromptSampler
+from rlvr.training.batch import rows_that_train
 from workflows.components import Components, start_components
 from workflows.dro_step import DroStep
 
@@ -178,9 +179,19 @@ class Trainer:
 
         t = time.perf_counter()
         if batch is not None and batch.num_loss_tokens:
+            rows = rows_that_train(batch, cfg.training.loss_agg, self.dro is not None)
             train_stats = comps.policy.run(
-                "train_step", batch, logprob_sums=duet_plan is not None, step=step
+                "train_step",
+                batch if len(rows) == len(batch) else batch.select(rows),
+                logprob_sums=duet_plan is not None,
+                step=step,
             )
+            train_stats["rows"] = len(rows)
+            if "logprob_sums" in train_stats:
+                sums = [0.0] * len(batch)  # rows left out had no loss token: no surrogate use
+                for row, value in zip(rows, train_stats["logprob_sums"], strict=True):
+                    sums[row] = value
+                train_stats["logprob_sums"] = sums
         else:
             # DUET aborted every rollout, or DAPO found no informative group: no loss token
             log.warning("step %d: no rollout carries a loss token; the update is skipped", step)

@@ -61,6 +61,16 @@ class TrainBatch:
                 out[f.name] = value[rows, cols]
         return TrainBatch(**out)
 
+    def select(self, rows: list[int]) -> TrainBatch:
+        """The given rows, in order (e.g. only those with loss tokens)."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return TrainBatch(
+            **{
+                f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                for f in fields(self)
+            }
+        )
+
     def to(self, device: torch.device | str) -> TrainBatch:
         """A copy with every tensor moved to ``device``."""
         moved = {
@@ -69,6 +79,17 @@ class TrainBatch:
             if getattr(self, f.name) is not None
         }
         return replace(self, **moved)
+
+
+def rows_that_train(batch: TrainBatch, loss_agg: str, counts_every_row: bool = False) -> list[int]:
+    """Rows a train step must see: those with loss tokens, or every row when the loss normaliser
+    counts rows without any (Dr.GRPO's seq-mean-token-sum-norm, or `counts_every_row`, e.g. the
+    DRO loss). Elsewhere a row without loss tokens adds nothing to the loss or its denominators,
+    so leaving it out (DUET's aborted rollouts) saves its forward and backward and changes
+    nothing."""
+    if counts_every_row or loss_agg == "seq-mean-token-sum-norm":
+        return list(range(len(batch)))
+    return torch.nonzero(batch.response_mask.any(dim=1)).flatten().tolist()
 
 
 def build_batch(

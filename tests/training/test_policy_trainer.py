@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from rlvr.config import LoraConfig
 from rlvr.models.tiny import build_tiny_model
-from rlvr.training.batch import TrainBatch, build_batch, token_logprobs
+from rlvr.training.batch import TrainBatch, build_batch, rows_that_train, token_logprobs
 from rlvr.training.policy_trainer import PolicyTrainer
 
 PROMPTS = [[3, 4, 5], [3, 4], [6, 7, 8, 9], [10]]
@@ -66,7 +66,9 @@ def test_positive_advantages_raise_their_logprobs(model_dir):
         trainer.ref_logprobs(batch)
 
 
-def step_with_grads(trainer: PolicyTrainer) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+def step_with_grads(
+    trainer: PolicyTrainer, batch: TrainBatch | None = None
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """One train_step, also returning the gradients the optimizer receives (stage 0 only)."""
     names = {id(p): n for n, p in trainer.engine.module.named_parameters()}
     grads: dict[str, torch.Tensor] = {}
@@ -77,7 +79,7 @@ def step_with_grads(trainer: PolicyTrainer) -> tuple[dict[str, float], dict[str,
                 grads[names[id(p)]] = p.grad.clone()
 
     handle = trainer.engine.optimizer.register_step_pre_hook(capture)
-    metrics = trainer.train_step(make_batch())
+    metrics = trainer.train_step(make_batch() if batch is None else batch)
     handle.remove()
     return metrics, grads
 
@@ -113,6 +115,35 @@ def test_micro_batch_size_does_not_change_loss_or_gradient(model_dir, agg, expec
     assert g1.keys() == g3.keys() and len(g1) > 0
     for name in g1:
         torch.testing.assert_close(g1[name], g3[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_rows_without_loss_tokens_can_be_left_out(model_dir, agg):
+    # Row 1 is masked out entirely (as DUET masks an aborted rollout).
+    batch = build_batch(
+        PROMPTS,
+        RESPONSES,
+        pad_id=0,
+        loss_masks=[[i != 1] * len(r) for i, r in enumerate(RESPONSES)],
+    )
+    batch.advantages = torch.tensor(ADVANTAGES)
+    rows = rows_that_train(batch, agg)
+    # Dr.GRPO divides by every sequence, so there the masked row must stay.
+    assert rows == ([0, 1, 2, 3] if agg == "seq-mean-token-sum-norm" else [0, 2, 3])
+    assert rows_that_train(batch, agg, counts_every_row=True) == [0, 1, 2, 3]
+    part = batch.select(rows)
+    assert part.num_loss_tokens == batch.num_loss_tokens == 9
+    torch.testing.assert_close(part.input_ids, batch.input_ids[rows])
+    kwargs = {"micro_batch_size": 2, "loss_agg": agg, "grad_clip": 1e6}
+    m_all, g_all = step_with_grads(make_trainer(model_dir, **kwargs), batch)
+    m_part, g_part = step_with_grads(make_trainer(model_dir, **kwargs), part)
+    # token-mean: -(3 + 1 + 8) / 9; seq-mean-token-mean: -(1 + 0.5 + 2) / 3
+    expected = {"token-mean": -12 / 9, "seq-mean-token-mean": -3.5 / 3}.get(agg)
+    if expected is not None:
+        assert m_all["loss"] == pytest.approx(expected, abs=1e-6)
+    assert m_part["loss"] == pytest.approx(m_all["loss"], abs=1e-6)
+    for name in g_all:
+        torch.testing.assert_close(g_part[name], g_all[name], rtol=1e-4, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
