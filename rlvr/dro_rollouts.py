@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from rlvr.algorithms import dro
-from rlvr.rollouts import Rollouts
+from rlvr.rollouts import Rollouts, group_rows
 from rlvr.tasks.base import Problem
 from rlvr.training.batch import TrainBatch, build_batch
 
@@ -102,14 +102,6 @@ def scoring_inputs(
         positions.append(list(pos))
         answers.append(None if finish == "length" else answer)
     return ScoringInputs(sequences, positions, answers)
-
-
-def group_rows(group_ids: Sequence[str]) -> dict[str, list[int]]:
-    """Row indices of each group, groups in order of first appearance."""
-    rows: dict[str, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        rows.setdefault(g, []).append(i)
-    return rows
 
 
 def score_groups(

@@ -20,6 +20,14 @@ from rlvr.generation.base import GenerationResult
 from rlvr.training.batch import TrainBatch, build_batch
 
 
+def group_rows(group_ids: Sequence[str]) -> dict[str, list[int]]:
+    """Row indices of each group, groups in order of first appearance."""
+    rows: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        rows.setdefault(g, []).append(i)
+    return rows
+
+
 @dataclass
 class Rollouts:
     """One row per sampled response; `group_ids` is the prompt id the response answers."""
@@ -101,9 +109,7 @@ class Rollouts:
 
     def rows_of(self, groups: Sequence[str]) -> list[int]:
         """Row indices of the given groups, group by group in that order."""
-        by_group: dict[str, list[int]] = {}
-        for i, g in enumerate(self.group_ids):
-            by_group.setdefault(g, []).append(i)
+        by_group = group_rows(self.group_ids)
         return [i for g in groups for i in by_group[g]]
 
     @property

@@ -21,14 +21,13 @@ from rlvr.algorithms import dro
 from rlvr.config import Config
 from rlvr.dro_rollouts import (
     DroTokens,
-    group_rows,
     reference_ids,
     reference_text,
     scoring_inputs,
 )
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
-from rlvr.rollouts import Rollouts
+from rlvr.rollouts import Rollouts, group_rows
 from rlvr.rundir import atomic_write_text
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt

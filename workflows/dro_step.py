@@ -28,7 +28,6 @@ from rlvr.dro_rollouts import (
     DroTokens,
     RejectionTally,
     dro_batch,
-    group_rows,
     reference_ids,
     reference_text,
     score_groups,
@@ -36,7 +35,7 @@ from rlvr.dro_rollouts import (
     step_metrics,
 )
 from rlvr.models import cache_dir
-from rlvr.rollouts import Rollouts
+from rlvr.rollouts import Rollouts, group_rows
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import prompt_messages
 from rlvr.training.batch import TrainBatch
