@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from rlvr.algorithms import tandem_metrics as tm
-from rlvr.config import Config, ConfigError, LoraConfig, config_from_dict, load_config
+from rlvr.config import Config, ConfigError, config_from_dict, load_config
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationBackend, GenerationRequest, SamplingParams
 from rlvr.generation.tandem_support import check_same_tokenizer
@@ -75,11 +75,11 @@ def find_run_dir(path: Path) -> Path | None:
     return None
 
 
-def resolve_checkpoint(spec: str | Path, base_dir: Path, lora: LoraConfig | None = None) -> Path:
+def resolve_checkpoint(spec: str | Path, base_dir: Path, cfg: Config) -> Path:
     """An HF model directory for what `rlvr train` wrote: a run directory (its `final/`), an HF
     directory (`final/`, merged weights), a PEFT adapter directory (merged into `base_dir`), or a
-    step checkpoint `checkpoints/step_N` (DeepSpeed state, converted once into the model cache;
-    LoRA states are merged with `lora`'s scale)."""
+    step checkpoint `checkpoints/step_N` (the run `cfg`'s trainer state, exported once into the
+    model cache)."""
     path = Path(spec).expanduser()
     if (path / "final" / "config.json").is_file():
         path = path / "final"
@@ -90,18 +90,19 @@ def resolve_checkpoint(spec: str | Path, base_dir: Path, lora: LoraConfig | None
 
         return merge_adapter(base_dir, path)
     if (path / "policy" / "latest").is_file():
-        return _convert_step_checkpoint(path / "policy", base_dir, lora)
+        return _convert_step_checkpoint(path / "policy", base_dir, cfg)
     raise FileNotFoundError(
         f"checkpoint {spec!r} is neither a run directory, an HF model, an adapter nor a step "
         "checkpoint"
     )
 
 
-def _convert_step_checkpoint(state_dir: Path, base_dir: Path, lora: LoraConfig | None) -> Path:
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _convert_step_checkpoint(state_dir: Path, base_dir: Path, cfg: Config) -> Path:
+    """The HF directory of a step checkpoint's policy, written once into the model cache by the
+    trainer's own resume-and-export path (the same merge as a run's `final/`)."""
+    from actors.policy import PolicyActor
     from rlvr.models.tiny import publish_dir, staging_dir
+    from workflows.components import policy_kwargs
 
     files = sorted(f for f in state_dir.rglob("*") if f.is_file())
     digest = hashlib.sha256(str(base_dir.resolve()).encode())
@@ -112,28 +113,10 @@ def _convert_step_checkpoint(state_dir: Path, base_dir: Path, lora: LoraConfig |
     out = cache_dir() / "models" / f"step-{state_dir.parent.name}-{digest.hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out
-    tag = (state_dir / "latest").read_text().strip()
-    state = get_fp32_state_dict_from_zero_checkpoint(str(state_dir), tag=tag)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    weights = model.state_dict()
-    lora_a = [k for k in state if ".lora_A." in k]
-    if lora_a:
-        if lora is None:
-            raise ValueError(f"{state_dir} holds LoRA weights but the run config has no LoRA")
-        # PEFT names: base_model.model.<module>.lora_A.default.weight; the merge is W + s * B @ A.
-        for key in lora_a:
-            module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
-            delta = state[key.replace(".lora_A.", ".lora_B.")] @ state[key]
-            weights[f"{module}.weight"] += (lora.alpha / lora.r) * delta.to(torch.float32)
-    else:
-        missing = set(weights) - set(state) - {"lm_head.weight"}
-        if missing:
-            raise ValueError(f"{state_dir} lacks weights {sorted(missing)[:3]}")
-        weights.update({k: v for k, v in state.items() if k in weights})
-    model.load_state_dict(weights)
+    policy = PolicyActor(**policy_kwargs(cfg, base_dir))
+    policy.load_state(str(state_dir))
     staging = staging_dir(out)
-    model.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(base_dir).save_pretrained(staging)
+    policy.save_model(str(staging))
     return publish_dir(staging, out)
 
 
@@ -473,7 +456,7 @@ def run_evaluate(
         raise ConfigError("invalid evaluation input: --config is needed outside a run directory")
     base_dir, _, test = prepare(cfg)
     try:
-        senior_dir = resolve_checkpoint(path, base_dir, cfg.model.lora)
+        senior_dir = resolve_checkpoint(path, base_dir, cfg)
         if junior is not None:
             junior_dir = resolve_model_path(junior, seed=cfg.model.seed)
         else:
