@@ -20,6 +20,8 @@ correlation, the group rejection rate, seconds per step and the share of it spen
 (R3 prefill + judging + the metrics-only verifier), with plots of the curves.
 
     .venv/bin/python bench/dro.py --steps 30
+    .venv/bin/python bench/dro.py --config configs/smollm2-dro.yaml --steps 12 \\
+        --variants r3 r3-no-gates avg-prob avg-logprob --out bench/out/dro-smollm2
 """
 
 from __future__ import annotations
@@ -58,11 +60,11 @@ def _mean(values: list[float]) -> float:
     return statistics.mean(finite) if finite else float("nan")
 
 
-def run_one(name: str, overrides: list[str], out: Path) -> dict:
+def run_one(preset: Path, name: str, overrides: list[str], out: Path) -> dict:
     from rlvr.config import load_config
     from workflows.train import prepare, train
 
-    cfg = load_config(PRESET, [*BASE, *overrides, f"run.name={name}"])
+    cfg = load_config(preset, [*BASE, *overrides, f"run.name={name}"])
     summary = train(cfg, out / name, prepared=prepare(cfg))
     summary["metrics"] = _lines(out / name / "metrics.jsonl")
     summary["evals"] = _lines(out / name / "eval.jsonl")
@@ -129,6 +131,9 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--config", type=Path, default=PRESET, help="base DRO config (the tiny model's)"
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
@@ -149,11 +154,11 @@ def main() -> None:
         f"run.seed={args.seed}",
         f"run.eval_every={args.eval_every}",
     ]
-    base = load_config(PRESET, [*BASE, *common])
+    base = load_config(args.config, [*BASE, *common])
     # every variant starts from this SFT-warmed model, whatever data it then trains on
     model_dir, _, _ = prepare(base)
     common += [f"model.path={model_dir}", "model.sft_warmup_steps=0"]
-    filtered = run_filter(load_config(PRESET, [*BASE, *common]), out / "filter")
+    filtered = run_filter(load_config(args.config, [*BASE, *common]), out / "filter")
     print(json.dumps({k: v for k, v in filtered.items() if k != "train_with"}, indent=2))
     data = filtered["train_with"]
     init_ray(base)
@@ -162,7 +167,7 @@ def main() -> None:
         for name in args.variants:
             overrides, on_filtered = VARIANTS[name]
             extra = data if on_filtered else []
-            results[name] = run_one(name, [*common, *extra, *overrides], Path(tmp))
+            results[name] = run_one(args.config, name, [*common, *extra, *overrides], Path(tmp))
     rows = [summarize(name, s) for name, s in results.items()]
     table = format_table(rows)
     print(table)

@@ -1,16 +1,27 @@
 """Config loading: defaults, overrides, and errors that name the offending key."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from rlvr.config import ConfigError, check_model_for_backend, load_config
+
+TRAIN_CONFIGS = sorted(
+    p for p in (Path(__file__).parent.parent / "configs").glob("*.yaml") if "serve" not in p.name
+)
 
 
 def test_defaults_validate():
     cfg = load_config()
     assert cfg.generation.group_size == 8
     assert cfg.training.zero_stage == 2
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
+def test_shipped_training_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.run.steps > 0
 
 
 def test_yaml_and_overrides(tmp_path):
