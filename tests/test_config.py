@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from rlvr.config import ConfigError, check_model_for_backend, load_config
+from rlvr.tasks import load_task
 
 TRAIN_CONFIGS = sorted(
     p for p in (Path(__file__).parent.parent / "configs").glob("*.yaml") if "serve" not in p.name
@@ -21,7 +22,8 @@ def test_defaults_validate():
 @pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
 def test_shipped_training_configs_validate(path):
     cfg = load_config(path)
-    assert cfg.run.steps > 0
+    train, test = load_task(cfg.task)
+    assert len(train) == cfg.task.n_train and len(test) == cfg.task.n_test
 
 
 def test_yaml_and_overrides(tmp_path):
