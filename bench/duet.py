@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -267,12 +268,17 @@ def format_table(
         lines.append(
             f"| {name} | {r['accuracy']:.3f} ± {r['accuracy_sd']:.3f} | {r['tokens']:.0f} "
             f"| {r['rollouts']:.0f} | {r['generate_s']:.2f} | {r['step_s']:.2f} "
-            f"| {r['speedup_same_b']:.2f}x | {r['speedup_full']:.2f}x "
+            f"| {_ratio(r['speedup_same_b'])} | {_ratio(r['speedup_full'])} "
             f"| {100 * r['controller_frac']:.2f} "
             + (f"| {r['abort_rate']:.3f} | {r['n_std']:.2f} " if duet else "| - | - ")
             + (f"| {r['dapo_rounds']:.1f} | {r['dapo_dropped']:.1f} |" if dapo else "| - | - |")
         )
     return "\n".join(lines)
+
+
+def _ratio(x: float) -> str:
+    """A speedup cell; '-' where the run had no baseline to compare with."""
+    return "-" if math.isnan(x) else f"{x:.2f}x"
 
 
 def plot(runs: dict[int, dict[str, Any]], rows: dict[str, dict[str, float]], path: Path) -> None:
