@@ -2,9 +2,10 @@
 
 The policy never sees the exact verifier's verdict except in the "verifier" variant (the upper
 reference); every other variant is rewarded by its certainty of the reference " \\boxed{N}." after
-its own CoT. All variants start from the same SFT-warmed tiny model, with the same seeds, steps and
-held-out problems; the exact verifier only evaluates. One `rlvr filter` pass on the training
-corpus (reference model = the start model) gives the retained set the filtered variants train on.
+its own CoT. All variants start from the same model (the SFT-warmed tiny one by default), with
+the same seeds, steps and held-out problems; the exact verifier only evaluates. One `rlvr filter`
+pass on the training corpus (reference model = the start model) gives the retained set the
+filtered variants train on.
 
 | variant      | reward      | filter | gates (keyword judge) |
 | verifier     | exact 0/1   | yes    | no                    |
