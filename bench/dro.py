@@ -61,11 +61,11 @@ def _mean(values: list[float]) -> float:
     return statistics.mean(finite) if finite else float("nan")
 
 
-def run_one(preset: Path, name: str, overrides: list[str], out: Path) -> dict:
+def run_one(config: Path, name: str, overrides: list[str], out: Path) -> dict:
     from rlvr.config import load_config
     from workflows.train import prepare, train
 
-    cfg = load_config(preset, [*BASE, *overrides, f"run.name={name}"])
+    cfg = load_config(config, [*BASE, *overrides, f"run.name={name}"])
     summary = train(cfg, out / name, prepared=prepare(cfg))
     summary["metrics"] = _lines(out / name / "metrics.jsonl")
     summary["evals"] = _lines(out / name / "eval.jsonl")
@@ -156,7 +156,7 @@ def main() -> None:
         f"run.eval_every={args.eval_every}",
     ]
     base = load_config(args.config, [*BASE, *common])
-    # every variant starts from this SFT-warmed model, whatever data it then trains on
+    # every variant starts from this model (SFT-warmed where the config asks), whatever it trains on
     model_dir, _, _ = prepare(base)
     common += [f"model.path={model_dir}", "model.sft_warmup_steps=0"]
     filtered = run_filter(load_config(args.config, [*BASE, *common]), out / "filter")

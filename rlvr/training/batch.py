@@ -64,12 +64,12 @@ class TrainBatch:
     def select(self, rows: list[int]) -> TrainBatch:
         """The given rows, in order (e.g. only those with loss tokens)."""
         index = torch.as_tensor(rows, dtype=torch.long)
-        return TrainBatch(
-            **{
-                f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
-                for f in fields(self)
-            }
-        )
+        picked = {
+            f.name: getattr(self, f.name)[index]
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
+        return replace(self, **picked)
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """A copy with every tensor moved to ``device``."""
