@@ -36,23 +36,43 @@ def reference_text(problem: Problem, delimiter: str) -> str:
     )
 
 
+# What commonly precedes a delimiter in text; each may merge with its first characters.
+DELIMITER_CONTEXTS = ("", " ", "\n", "$", " $", "(", "[", "{", "*", '"', "'", ".", ":")
+
+
 @dataclass(frozen=True)
 class DroTokens:
-    """The token ids DRO splices in: delimiter `d`, the fixed separator, and stop tokens to strip."""
+    """The token ids DRO splices in: the delimiter's tokenizations in context (`delimiters`, any
+    of which ends a CoT), the fixed separator, and the stop tokens to strip."""
 
-    delimiter: list[int]
+    delimiters: list[list[int]]
     separator: list[int]
     stop: frozenset[int]
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, delimiter: str, separator: str) -> DroTokens:
-        """Tokenize the delimiter and separator once, without special tokens (`dro.md` 2.0)."""
+        """Tokenize the delimiter and separator once, without special tokens (`dro.md` 2.0).
+
+        The delimiter is also tokenized after each of `DELIMITER_CONTEXTS`; a variant that holds
+        another one is dropped (the shorter matches wherever it does).
+        """
 
         def ids(text: str) -> list[int]:
             return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
         stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        return cls(ids(delimiter), ids(separator), frozenset(stop))
+        variants: list[list[int]] = []
+        for context in DELIMITER_CONTEXTS if delimiter else ():
+            v = ids(context + delimiter)
+            if v not in variants:
+                variants.append(v)
+        minimal = [v for v in variants if not any(_holds(v, u) for u in variants if u != v)]
+        return cls(minimal, ids(separator), frozenset(stop))
+
+
+def _holds(seq: list[int], sub: list[int]) -> bool:
+    """Whether `sub` occurs in `seq` as a contiguous run."""
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 def reference_ids(tokenizer: Any, text: str) -> list[int]:
@@ -94,10 +114,11 @@ def scoring_inputs(
         completion = list(response)
         while completion and completion[-1] in tokens.stop:
             completion.pop()
+        delimiter = dro.match_delimiter(completion, tokens.delimiters) or []
         seq, pos = dro.build_scoring_ids(
-            prompt, completion, tokens.delimiter, references[gid], tokens.separator
+            prompt, completion, delimiter, references[gid], tokens.separator
         )
-        _, answer = dro.split_completion(completion, tokens.delimiter)
+        _, answer = dro.split_completion(completion, delimiter)
         sequences.append(seq)
         positions.append(list(pos))
         answers.append(None if finish == "length" else answer)

@@ -20,7 +20,7 @@ from rlvr.models.tiny import build_tiny_model
 from rlvr.rollouts import Rollouts
 from rlvr.tasks.base import Problem
 
-TOKENS = DroTokens(delimiter=[50, 51], separator=[9], stop=frozenset({0}))
+TOKENS = DroTokens(delimiters=[[50, 51]], separator=[9], stop=frozenset({0}))
 REFS = {"a": [7, 8, 10, 11], "b": [6]}
 # digest T1: G=4, L=4
 P_A = np.array(
@@ -175,7 +175,27 @@ def test_delimiter_slicing_matches_in_context_tokenization(tokenizer):
     solution = "3 + 4 = 7\n6 + 1 = 7\nThe answer is \\boxed{7}."
     ids = tokenizer(solution, add_special_tokens=False)["input_ids"]
     ref = reference_ids(tokenizer, " \\boxed{7}.")
-    assert ids[-len(ref) - len(tokens.delimiter) :] == tokens.delimiter + ref
-    cot, answer = dro.split_completion(ids, tokens.delimiter)
+    delimiter = dro.match_delimiter(ids, tokens.delimiters)
+    assert ids[-len(ref) - len(delimiter) :] == delimiter + ref
+    cot, answer = dro.split_completion(ids, delimiter)
     assert answer == ref
     assert tokenizer.decode(cot) == "3 + 4 = 7\n6 + 1 = 7\n"
+
+
+def test_delimiter_variants_find_it_after_a_space_or_a_period(tokenizer):
+    """Byte-level BPE merges a leading space into the delimiter's first token (" \\boxed{" opens
+    with the token " \\"), which the delimiter tokenized alone never matches."""
+    tokens = DroTokens.from_tokenizer(tokenizer, "\\boxed{", "")
+    alone = tokenizer("\\boxed{", add_special_tokens=False)["input_ids"]
+    assert alone in tokens.delimiters and len(tokens.delimiters) > 1
+    ids = tokenizer("2 + 3 = \\boxed{5}.", add_special_tokens=False)["input_ids"]
+    assert dro.split_completion(ids, alone)[1] is None
+    delimiter = dro.match_delimiter(ids, tokens.delimiters)
+    cot, answer = dro.split_completion(ids, delimiter)
+    assert tokenizer.decode(cot) == "2 + 3 ="
+    assert tokenizer.decode(answer) == "5}."
+    # no variant holds another, and each decodes to the delimiter after its context
+    for v in tokens.delimiters:
+        assert tokenizer.decode(v).endswith("\\boxed{")
+        assert not any(u != v and dro.match_delimiter(v, [u]) for u in tokens.delimiters)
+    assert DroTokens.from_tokenizer(tokenizer, "", "").delimiters == []

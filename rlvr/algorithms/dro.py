@@ -79,6 +79,28 @@ def split_completion(
     return completion, None
 
 
+def match_delimiter(
+    completion_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    variants: Sequence[Sequence[int]],
+) -> list[int] | None:
+    """The delimiter tokenization that occurs first in the completion (the longer on a tie).
+
+    A text delimiter tokenizes by what precedes it in byte-level BPE (" The" after a period is
+    one token; "$\\" or " \\" opens `\\boxed{`), so it is searched as each of its
+    tokenizations, still by token id. None when no variant occurs (or there are none).
+    """
+    completion = _ids(completion_ids)
+    best: tuple[int, int, list[int]] | None = None
+    for variant in variants:
+        v = _ids(variant)
+        for start in range(len(completion) - len(v) + 1) if v else ():
+            if completion[start : start + len(v)] == v:
+                if best is None or (start, -len(v)) < (best[0], best[1]):
+                    best = (start, -len(v), v)
+                break
+    return None if best is None else best[2]
+
+
 def build_scoring_ids(
     prompt_ids: Sequence[int] | np.ndarray | torch.Tensor,
     completion_ids: Sequence[int] | np.ndarray | torch.Tensor,

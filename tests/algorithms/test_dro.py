@@ -19,6 +19,7 @@ from rlvr.algorithms.dro import (
     entropy_mask,
     filter_score,
     group_advantage,
+    match_delimiter,
     mean_token_std,
     parse_rubric_items,
     parse_rubric_judgment,
@@ -229,6 +230,17 @@ def test_split_completion():
     assert split_completion([1, 2, 9], [9]) == ([1, 2], [])
     assert split_completion([1, 2, 3], [9]) == ([1, 2, 3], None)
     assert split_completion([1, 9], [9, 9]) == ([1, 9], None)
+
+
+def test_match_delimiter_takes_the_first_occurrence_of_any_variant():
+    variants = [[7, 8], [5, 8], [7]]
+    assert match_delimiter([1, 5, 8, 2, 7, 8], variants) == [5, 8]
+    # same start: the longer variant wins, so its whole span leaves the CoT
+    assert match_delimiter([1, 7, 8, 2], variants) == [7, 8]
+    assert match_delimiter([1, 7, 2], variants) == [7]
+    assert match_delimiter(np.array([1, 2, 3]), variants) is None
+    assert match_delimiter([1, 2], []) is None
+    assert match_delimiter([1, 2], [[]]) is None
 
 
 def _toy_logits(ids: list[int], vocab: int = 7) -> torch.Tensor:
