@@ -301,8 +301,9 @@ class DroConfig(Section):
     )
     delimiter: str = Field(
         "</think>",
-        description="Text ending the CoT (tokenized once); '' scores the whole completion as the "
-        "prefix (the no-slicing ablation).",
+        description="Text ending the CoT, matched by token id in each of its tokenizations after "
+        "common preceding characters; '' scores the whole completion as the prefix (the "
+        "no-slicing ablation).",
     )
     separator: str = Field(
         "\n\n", description="Fixed text between the delimiter and the reference answer."
