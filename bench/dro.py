@@ -21,7 +21,7 @@ correlation, the group rejection rate, seconds per step and the share of it spen
 (R3 prefill + judging + the metrics-only verifier), with plots of the curves.
 
     .venv/bin/python bench/dro.py --steps 30
-    .venv/bin/python bench/dro.py --config configs/smollm2-dro.yaml --steps 12 \\
+    .venv/bin/python bench/dro.py --config configs/smollm2-dro.yaml --steps 12 --seeds 0 1 2 \\
         --variants r3 r3-no-gates avg-prob avg-logprob --out bench/out/dro-smollm2
 """
 
@@ -72,55 +72,65 @@ def run_one(config: Path, name: str, overrides: list[str], out: Path) -> dict:
     return summary
 
 
-def summarize(name: str, summary: dict) -> dict:
-    m = summary["metrics"]
+def summarize(name: str, per_seed: list[dict]) -> dict:
+    """One table row over seeds: accuracies as mean (and sd after), per-step figures as medians."""
+    m = [x for s in per_seed for x in s["metrics"]]
+    after = [s["eval_after"]["eval_accuracy"] for s in per_seed]
     return {
         "variant": name,
-        "acc_before": summary["eval_before"]["eval_accuracy"],
-        "acc_after": summary["eval_after"]["eval_accuracy"],
-        "acc_best": max(e["eval_accuracy"] for e in summary["evals"]),
+        "acc_before": statistics.mean(s["eval_before"]["eval_accuracy"] for s in per_seed),
+        "acc_after": statistics.mean(after),
+        "acc_after_sd": statistics.stdev(after) if len(after) > 1 else 0.0,
+        "acc_after_per_seed": after,
+        "acc_best": statistics.mean(max(e["eval_accuracy"] for e in s["evals"]) for s in per_seed),
         "reward_acc_corr": _mean([x.get("dro_reward_accuracy_corr") for x in m]),
-        "reject_rate": m[-1].get("dro_reject_rate_cum", 0.0),
+        "reject_rate": _mean([s["metrics"][-1].get("dro_reject_rate_cum", 0.0) for s in per_seed]),
         "s_per_step": statistics.median(x["time_step"] for x in m),
         "score_s": statistics.median(x["time_verify"] for x in m),
         "score_share": statistics.median(x["time_verify"] / x["time_step"] for x in m),
     }
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], seeds: list[int]) -> str:
     head = (
+        f"Seeds {seeds}: accuracies are means over seeds (after: ± sd), per-step figures medians.\n\n"
         "| variant | held-out acc before | after | best | reward-acc corr (train) "
         "| rejection rate | s/step (median) | scoring s/step | scoring share of step |"
     )
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {r['acc_before']:.3f} | {r['acc_after']:.3f} | {r['acc_best']:.3f} "
-            f"| {r['reward_acc_corr']:.3f} | {r['reject_rate']:.3f} | {r['s_per_step']:.2f} "
-            f"| {r['score_s']:.3f} | {r['score_share']:.1%} |"
+            f"| {r['variant']} | {r['acc_before']:.3f} | {r['acc_after']:.3f} ± "
+            f"{r['acc_after_sd']:.3f} | {r['acc_best']:.3f} | {r['reward_acc_corr']:.3f} "
+            f"| {r['reject_rate']:.3f} | {r['s_per_step']:.2f} | {r['score_s']:.3f} "
+            f"| {r['score_share']:.1%} |"
         )
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def plot(results: dict[str, list[dict]], path: Path) -> None:
+    """Held-out accuracy, training-rollout accuracy and cumulative rejection over steps, each
+    the mean over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def mean_curve(rows: list[list[dict]], key: str, fallback: str = "") -> tuple[list, list]:
+        """(steps, per-step mean over seeds of `key`, else of `fallback`, else 0)."""
+        steps = [x["step"] for x in rows[0]]
+        means = [
+            statistics.mean(r[i].get(key, r[i].get(fallback, 0.0)) for r in rows)
+            for i in range(len(steps))
+        ]
+        return steps, means
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for name, s in results.items():
-        axes[0].plot(
-            [e["step"] for e in s["evals"]],
-            [e["eval_accuracy"] for e in s["evals"]],
-            ".-",
-            label=name,
-        )
-        steps = [x["step"] for x in s["metrics"]]
-        axes[1].plot(
-            steps, [x.get("dro_exact_accuracy", x["accuracy"]) for x in s["metrics"]], label=name
-        )
-        axes[2].plot(steps, [x.get("dro_reject_rate_cum", 0.0) for x in s["metrics"]], label=name)
+    for name, per_seed in results.items():
+        axes[0].plot(*mean_curve([s["evals"] for s in per_seed], "eval_accuracy"), ".-", label=name)
+        metrics = [s["metrics"] for s in per_seed]
+        axes[1].plot(*mean_curve(metrics, "dro_exact_accuracy", "accuracy"), label=name)
+        axes[2].plot(*mean_curve(metrics, "dro_reject_rate_cum"), label=name)
     axes[0].set(xlabel="step", ylabel="held-out exact accuracy", title="evaluation (verifier)")
     axes[1].set(xlabel="step", ylabel="exact accuracy of rollouts", title="training rollouts")
     axes[2].set(xlabel="step", ylabel="cumulative rejection rate", title="rubric gates")
@@ -137,7 +147,7 @@ def main() -> None:
     )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="the filter uses the first")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for all")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "dro"))
@@ -152,28 +162,39 @@ def main() -> None:
     common = [
         *args.set,
         f"run.steps={args.steps}",
-        f"run.seed={args.seed}",
         f"run.eval_every={args.eval_every}",
     ]
-    base = load_config(args.config, [*BASE, *common])
+    base = load_config(args.config, [*BASE, *common, f"run.seed={args.seeds[0]}"])
     # every variant starts from this model (SFT-warmed where the config asks), whatever it trains on
     model_dir, _, _ = prepare(base)
     common += [f"model.path={model_dir}", "model.sft_warmup_steps=0"]
-    filtered = run_filter(load_config(args.config, [*BASE, *common]), out / "filter")
+    filtered = run_filter(
+        load_config(args.config, [*BASE, *common, f"run.seed={args.seeds[0]}"]), out / "filter"
+    )
     print(json.dumps({k: v for k, v in filtered.items() if k != "train_with"}, indent=2))
     data = filtered["train_with"]
     init_ray(base)
-    results: dict[str, dict] = {}
+    results: dict[str, list[dict]] = {name: [] for name in args.variants}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.variants:
-            overrides, on_filtered = VARIANTS[name]
-            extra = data if on_filtered else []
-            results[name] = run_one(args.config, name, [*common, *extra, *overrides], Path(tmp))
-    rows = [summarize(name, s) for name, s in results.items()]
-    table = format_table(rows)
+        for seed in args.seeds:
+            for name in args.variants:
+                overrides, on_filtered = VARIANTS[name]
+                extra = data if on_filtered else []
+                results[name].append(
+                    run_one(
+                        args.config,
+                        name,
+                        [*common, f"run.seed={seed}", *extra, *overrides],
+                        Path(tmp) / f"seed{seed}",
+                    )
+                )
+    rows = [summarize(name, per_seed) for name, per_seed in results.items()]
+    table = format_table(rows, args.seeds)
     print(table)
     (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps({"filter": filtered, "rows": rows}, indent=2))
+    (out / "results.json").write_text(
+        json.dumps({"filter": filtered, "seeds": args.seeds, "rows": rows}, indent=2)
+    )
     plot(results, out / "curves.png")
     print(f"plot: {out / 'curves.png'}")
 
