@@ -131,16 +131,14 @@ def variants(preset: Preset) -> dict[str, tuple[str, float, list[str]]]:
         "duet b=1": ("duet", 1.0, [*duet, "algorithm.duet.b=1"]),
         "duet b=0.5": ("duet", 0.5, [*duet, "algorithm.duet.b=0.5"]),
         "duet b=0.25": ("duet", 0.25, [*duet, "algorithm.duet.b=0.25"]),
-        "duet-alloc-only b=0.5": (
-            "duet",
-            0.5,
-            [*duet, "algorithm.duet.b=0.5", "algorithm.duet.early_stop=false"],
-        ),
-        "duet-abort-only b=0.5": (
-            "duet",
-            0.5,
-            [*duet, "algorithm.duet.b=0.5", "algorithm.duet.allocate=false"],
-        ),
+        **{
+            f"duet-{part} b={b:g}": ("duet", b, [*duet, f"algorithm.duet.b={b:g}", switch])
+            for b in (1.0, 0.5)
+            for part, switch in (
+                ("alloc-only", "algorithm.duet.early_stop=false"),
+                ("abort-only", "algorithm.duet.allocate=false"),
+            )
+        },
         "dapo b=1": (
             "dapo",
             1.0,
