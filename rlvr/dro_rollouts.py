@@ -51,9 +51,9 @@ class DroTokens:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, delimiter: str, separator: str) -> DroTokens:
-        """Tokenize the delimiter and separator once, without special tokens (`dro.md` 2.0).
+        """Tokenize the delimiter and separator without special tokens (`dro.md` 2.0).
 
-        The delimiter is also tokenized after each of `DELIMITER_CONTEXTS`; a variant that holds
+        The delimiter is tokenized after each of `DELIMITER_CONTEXTS`; a variant that holds
         another one is dropped (the shorter matches wherever it does).
         """
 
@@ -66,13 +66,10 @@ class DroTokens:
             v = ids(context + delimiter)
             if v not in variants:
                 variants.append(v)
-        minimal = [v for v in variants if not any(_holds(v, u) for u in variants if u != v)]
+        minimal = [
+            v for v in variants if not any(u != v and dro.match_delimiter(v, [u]) for u in variants)
+        ]
         return cls(minimal, ids(separator), frozenset(stop))
-
-
-def _holds(seq: list[int], sub: list[int]) -> bool:
-    """Whether `sub` occurs in `seq` as a contiguous run."""
-    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 def reference_ids(tokenizer: Any, text: str) -> list[int]:

@@ -90,15 +90,12 @@ def match_delimiter(
     tokenizations, still by token id. None when no variant occurs (or there are none).
     """
     completion = _ids(completion_ids)
-    best: tuple[int, int, list[int]] | None = None
-    for variant in variants:
-        v = _ids(variant)
-        for start in range(len(completion) - len(v) + 1) if v else ():
-            if completion[start : start + len(v)] == v:
-                if best is None or (start, -len(v)) < (best[0], best[1]):
-                    best = (start, -len(v), v)
-                break
-    return None if best is None else best[2]
+    found = []
+    for variant in map(_ids, variants):
+        cot, answer = split_completion(completion, variant)
+        if answer is not None:
+            found.append((len(cot), -len(variant), variant))
+    return min(found)[2] if found else None
 
 
 def build_scoring_ids(
