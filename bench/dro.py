@@ -164,13 +164,12 @@ def main() -> None:
         f"run.steps={args.steps}",
         f"run.eval_every={args.eval_every}",
     ]
-    base = load_config(args.config, [*BASE, *common, f"run.seed={args.seeds[0]}"])
+    first_seed = f"run.seed={args.seeds[0]}"
+    base = load_config(args.config, [*BASE, *common, first_seed])
     # every variant starts from this model (SFT-warmed where the config asks), whatever it trains on
     model_dir, _, _ = prepare(base)
     common += [f"model.path={model_dir}", "model.sft_warmup_steps=0"]
-    filtered = run_filter(
-        load_config(args.config, [*BASE, *common, f"run.seed={args.seeds[0]}"]), out / "filter"
-    )
+    filtered = run_filter(load_config(args.config, [*BASE, *common, first_seed]), out / "filter")
     print(json.dumps({k: v for k, v in filtered.items() if k != "train_with"}, indent=2))
     data = filtered["train_with"]
     init_ray(base)

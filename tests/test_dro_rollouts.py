@@ -182,7 +182,7 @@ def test_delimiter_slicing_matches_in_context_tokenization(tokenizer):
     assert tokenizer.decode(cot) == "3 + 4 = 7\n6 + 1 = 7\n"
 
 
-def test_delimiter_variants_find_it_after_a_space_or_a_period(tokenizer):
+def test_delimiter_variants_find_it_after_a_space(tokenizer):
     """Byte-level BPE merges a leading space into the delimiter's first token (" \\boxed{" opens
     with the token " \\"), which the delimiter tokenized alone never matches."""
     tokens = DroTokens.from_tokenizer(tokenizer, "\\boxed{", "")
