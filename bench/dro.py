@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
-import tempfile
 from pathlib import Path
 
 from workflows.cli import ray_env
@@ -66,6 +66,7 @@ def run_one(config: Path, name: str, overrides: list[str], out: Path) -> dict:
     from workflows.train import prepare, train
 
     cfg = load_config(config, [*BASE, *overrides, f"run.name={name}"])
+    shutil.rmtree(out / name, ignore_errors=True)  # a fresh run, never a resume of an old sweep's
     summary = train(cfg, out / name, prepared=prepare(cfg))
     summary["metrics"] = _lines(out / name / "metrics.jsonl")
     summary["evals"] = _lines(out / name / "eval.jsonl")
@@ -140,6 +141,19 @@ def plot(results: dict[str, list[dict]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def write_report(
+    results: dict[str, list[dict]], filtered: dict, seeds: list[int], out: Path
+) -> None:
+    """Table, results and plot over the runs finished so far (variants with none are left out)."""
+    done = {name: per_seed for name, per_seed in results.items() if per_seed}
+    rows = [summarize(name, per_seed) for name, per_seed in done.items()]
+    (out / "table.md").write_text(format_table(rows, seeds) + "\n")
+    (out / "results.json").write_text(
+        json.dumps({"filter": filtered, "seeds": seeds, "rows": rows}, indent=2)
+    )
+    plot(done, out / "curves.png")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -174,27 +188,21 @@ def main() -> None:
     data = filtered["train_with"]
     init_ray(base)
     results: dict[str, list[dict]] = {name: [] for name in args.variants}
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in args.seeds:
-            for name in args.variants:
-                overrides, on_filtered = VARIANTS[name]
-                extra = data if on_filtered else []
-                results[name].append(
-                    run_one(
-                        args.config,
-                        name,
-                        [*common, f"run.seed={seed}", *extra, *overrides],
-                        Path(tmp) / f"seed{seed}",
-                    )
+    for seed in args.seeds:
+        for name in args.variants:
+            overrides, on_filtered = VARIANTS[name]
+            extra = data if on_filtered else []
+            results[name].append(
+                run_one(
+                    args.config,
+                    name,
+                    [*common, f"run.seed={seed}", *extra, *overrides],
+                    out / "runs" / f"seed{seed}",
                 )
-    rows = [summarize(name, per_seed) for name, per_seed in results.items()]
-    table = format_table(rows, args.seeds)
-    print(table)
-    (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(
-        json.dumps({"filter": filtered, "seeds": args.seeds, "rows": rows}, indent=2)
-    )
-    plot(results, out / "curves.png")
+            )
+            # rewritten after every run, so a long sweep cut short still leaves its table
+            write_report(results, filtered, args.seeds, out)
+    print((out / "table.md").read_text())
     print(f"plot: {out / 'curves.png'}")
 
 
