@@ -148,6 +148,7 @@ def write_report(
     """Table, results and plot over the runs finished so far (variants with none are left out)."""
     done = {name: per_seed for name, per_seed in results.items() if per_seed}
     rows = [summarize(name, per_seed) for name, per_seed in done.items()]
+    seeds = seeds[: max(len(per_seed) for per_seed in done.values())]
     (out / "table.md").write_text(format_table(rows, seeds) + "\n")
     (out / "results.json").write_text(
         json.dumps({"filter": filtered, "seeds": seeds, "rows": rows}, indent=2)
