@@ -6,6 +6,7 @@ step's metrics. The ControllerActor owns one; everything crossing the actor boun
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,8 +69,12 @@ class DuetController:
 
         Returns JSON-plain: counts, lambda, budget, planned_tokens, k1, k2, s_hat, l_hat, s_pre
         (per-prompt lists in `prompt_ids` order) and time_duet_plan (seconds of allocation).
+        A repeated prompt id raises ValueError: counts are per prompt, so its groups would merge.
         """
         ids = list(prompt_ids)
+        repeated = [q for q, count in Counter(ids).items() if count > 1]
+        if repeated:
+            raise ValueError(f"step {step} holds prompts {repeated} more than once")
         if self._plan is not None and self._plan[0] == step:
             if self._plan[1] != ids:
                 raise ValueError(f"step {step} was planned for other prompts")

@@ -107,8 +107,10 @@ class PromptState:
 
         `advantages` are the group advantages before DUET weighting (pass weighted ones to mimic
         the reference code), `logprob_sums` the old-policy log-prob summed over response tokens,
-        `kept` False for aborted rollouts. Returns the within-step surrogate sigma_obs_{q,t} of
-        each prompt that got one (for the calibration diagnostic).
+        `kept` False for aborted rollouts. A prompt's rollouts are one group of consecutive rows;
+        rows of one id split apart (the prompt twice in the step) raise ValueError. Returns the
+        within-step surrogate sigma_obs_{q,t} of each prompt that got one (for the calibration
+        diagnostic).
         """
         ids = [_prompt_id(q) for q in prompt_ids]
         adv = np.asarray(advantages, dtype=np.float64)
@@ -124,6 +126,12 @@ class PromptState:
 
         members: dict[PromptId, list[int]] = {}
         for i, q in enumerate(ids):
+            if q in members and members[q][-1] != i - 1:
+                # Two groups of one prompt in a step would merge into one surrogate observation.
+                raise ValueError(
+                    f"prompt {q!r} has two separate runs of rollouts in one step: a step holds "
+                    "each prompt once, its rollouts next to each other"
+                )
             members.setdefault(q, []).append(i)
         observed: dict[PromptId, float] = {}
         for q, rows in members.items():

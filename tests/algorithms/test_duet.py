@@ -318,12 +318,22 @@ def test_capacity_drops_the_least_recently_updated_prompt():
     assert state.s_hat(2) == 0.01  # cold again
 
 
+def test_a_prompt_twice_in_one_step_is_refused_not_merged():
+    state = PromptState()
+    # prompt 1's rows split by prompt 2's: two groups of one prompt, which would merge into one
+    with pytest.raises(ValueError, match="prompt 1 has two separate runs"):
+        state.update([1, 1, 2, 2, 1, 1], [1.0, -1.0] * 3, [-1.0] * 6, [5] * 6, [True] * 6)
+    assert len(state) == 0  # nothing was folded in
+    state.update([1, 1, 1, 2, 2], [1.0, -1.0, 0.0, 1.0, -1.0], [-1.0] * 5, [5] * 5, [True] * 5)
+    assert state.observed(1)["n_lengths"] == 3 and state.observed(2)["n_lengths"] == 2
+
+
 def test_prompt_state_round_trips_through_json_exactly():
     rng = np.random.default_rng(7)
     state = PromptState(capacity=5)
     for step in range(8):
         state.update(
-            [*rng.integers(0, 8, 6), f"s{step}"],
+            [*np.sort(rng.integers(0, 8, 6)), f"s{step}"],  # each prompt's rows together
             rng.normal(size=7),
             rng.normal(-40, 9, size=7),
             rng.integers(1, 500, size=7),

@@ -95,6 +95,20 @@ def test_plans_and_updates_apply_exactly_once():
         c.plan(0, ["a", "b", "c"])
 
 
+def test_a_step_holding_a_prompt_twice_is_refused():
+    c = controller()
+    # one count per prompt id: two copies of "a" would get one count and merge into one group
+    with pytest.raises(ValueError, match=r"step 0 holds prompts \['a'\] more than once"):
+        c.plan(0, ["a", "b", "a"])
+    c.plan(0, ["a", "b", "c"])  # nothing was planned: the step plans as usual
+    ids = ["a"] * 2 + ["b"] * 4 + ["c"] * 4 + ["a"] * 2  # a's rollouts in two groups
+    with pytest.raises(ValueError, match="two separate runs"):
+        c.update(0, ids, ADV, LOGP, LENGTHS, KEPT)
+    assert c.last_step == -1 and len(c.prompts) == 0
+    with pytest.raises(ValueError, match="more than once"):
+        TrainingController(group_size=8, duet=controller()).plan_step(0, ["a", "a"])
+
+
 def test_epoch_end_freezes_the_floor_at_p5():
     c = controller()
     metrics = run_step0(c, epoch_end=True)
