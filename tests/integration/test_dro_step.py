@@ -75,7 +75,9 @@ def test_rewards_are_r3_of_the_rollout_weights(dro_step_run):
         expected = dro.r3_rewards(np.exp(rows), omega=1.0)
         np.testing.assert_allclose(rollouts.rewards[start : start + 4], expected, atol=1e-4)
     assert metrics["reward_mean"] == pytest.approx(rollouts.rewards.mean())
-    assert rollouts.rewards.min() >= 0.05 and rollouts.rewards.max() <= 0.85
+    # R3 is a softmax-weighted mean of probabilities clipped to [0.05, 0.85]; the weights sum to 1
+    # only up to rounding, so the mean can pass a bound by a few ulps (0.8500000000000001 seen).
+    assert rollouts.rewards.min() >= 0.05 - 1e-12 and rollouts.rewards.max() <= 0.85 + 1e-12
 
 
 def test_gates_loss_and_metrics(dro_step_run):

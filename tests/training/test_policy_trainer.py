@@ -189,7 +189,8 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(model_dir, tmp_pat
     assert trainable and all("lora_" in n for n in trainable)
 
     metrics = train(trainer, 3)
-    assert metrics[0]["kl"] == 0.0 and metrics[2]["kl"] > 0.0
+    # Step 0's KL compares the training forward with the reference forward: 0 up to rounding.
+    assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-9) and metrics[2]["kl"] > 0.0
     # Adapters disabled still give the untouched base model; enabled they have moved.
     assert torch.equal(trainer.ref_logprobs(batch), base_logp)
     trained_logp = trainer.logprobs(batch)
