@@ -156,8 +156,39 @@ class TrainingConfig(Section):
         0.2, gt=0.0, description="PPO ratio clip above 1 (DAPO clip-higher uses 0.28)."
     )
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="How per-token losses are averaged."
+        "token-mean", description="How per-token losses (policy and KL) are averaged."
     )
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per rollout batch, each on its own slice (PPO mini-batches, "
+        "verl's ppo_mini_batch_size); above 1 the clipped ratio acts.",
+    )
+    epochs: int = Field(
+        1, ge=1, description="Passes over each rollout batch (verl ppo_epochs, TRL num_iterations)."
+    )
+    engine_is: Literal["off", "tis", "mask"] = Field(
+        "tis",
+        description="Engine/trainer mismatch correction per token, rho = pi_old / engine: 'tis' "
+        "weights by min(rho, cap), 'mask' drops tokens with rho > cap, 'off' only measures it.",
+    )
+    engine_is_cap: float = Field(2.0, ge=1.0, description="Cap C of the engine importance ratio.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate decay after the warm-up, to min_lr_ratio * lr."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps of linear lr warm-up.")
+    warmup_ratio: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Warm-up as a share of all optimizer steps (or steps)."
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Final lr of a linear or cosine decay, as a share of lr."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingConfig:
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set warmup_steps or warmup_ratio, not both")
+        return self
 
 
 class LaconicConfig(Section):
@@ -458,6 +489,17 @@ class Config(Section):
             raise ValueError(
                 "generation.group_size must be >= 2 for GRPO (a group of one has no baseline)"
             )
+        if self.generation.temperature <= 0:
+            raise ValueError(
+                "generation.temperature must be > 0: rollouts are sampled, and the trainer's "
+                "log-probs are those of softmax(logits / temperature)"
+            )
+        warmup, total = self.lr_schedule_steps()
+        if self.training.lr_schedule != "constant" and total <= warmup:
+            raise ValueError(
+                f"training.warmup_steps: a {self.training.lr_schedule} lr schedule needs optimizer "
+                f"steps after the warm-up ({warmup} of {total})"
+            )
         lc = self.algorithm.laconic
         if lc.enabled:
             max_tokens = self.generation.max_tokens
@@ -556,6 +598,12 @@ class Config(Section):
                 f"generation.max_tokens={max_tokens}; no rollout is aborted before K2 is refit",
                 stacklevel=3,
             )
+
+    def lr_schedule_steps(self) -> tuple[int, int]:
+        """(warm-up, total) optimizer steps of the run: run.steps x mini_batches x epochs."""
+        t = self.training
+        total = self.run.steps * t.mini_batches * t.epochs
+        return t.warmup_steps or round(t.warmup_ratio * total), total
 
     def duet_controller(self) -> dict[str, Any] | None:
         """Keyword arguments of the controller's `DuetController`, or None when disabled."""

@@ -199,11 +199,13 @@ def dro_batch(
     rollouts.weights[sorted(trained)] = 1.0
     rows = sorted(kept) if kept else list(range(n))
     masks = [[i in trained] * len(rollouts.response_ids[i]) for i in rows]
+    engine = rollouts.engine_logprobs
     batch = build_batch(
         [rollouts.prompt_ids[i] for i in rows],
         [rollouts.response_ids[i] for i in rows],
         pad_id,
         loss_masks=masks,
+        rollout_logprobs=None if engine is None else [engine[i] for i in rows],
     )
     batch.advantages = torch.as_tensor(advantages[rows], dtype=torch.float32)
     stats = {

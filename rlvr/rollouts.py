@@ -47,6 +47,9 @@ class Rollouts:
     """Per-rollout loss weights, when a method sets them (DUET: 0 for aborted rollouts)."""
     authorships: list[list[int] | None] = field(default_factory=list)
     """Per rollout, the author of each response token (Tandem: 1 = senior); None if solo."""
+    logprobs: list[list[float]] = field(default_factory=list)
+    """Per rollout, the engine's log-prob of each response token under the distribution it
+    sampled from (`Sample.logprobs`), for the trainer's engine importance correction."""
 
     @classmethod
     def from_results(cls, results: list[GenerationResult], golds: dict[str, str]) -> Rollouts:
@@ -64,7 +67,13 @@ class Rollouts:
             rows["g"], rows["p"], rows["r"], rows["t"], rows["gold"], rows["f"], rows["flags"]
         )
         out.authorships = [s.authorship for res in results for s in res.samples]
+        out.logprobs = [list(s.logprobs) for res in results for s in res.samples]
         return out
+
+    @property
+    def engine_logprobs(self) -> list[list[float]] | None:
+        """`logprobs` for `build_batch`, or None when the rollouts carry none."""
+        return self.logprobs if len(self.logprobs) == len(self) else None
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -161,7 +170,12 @@ def shape_grpo(
         scale=cfg.algorithm.advantage_scale,
         eps=cfg.algorithm.advantage_eps,
     )
-    batch = build_batch(rollouts.prompt_ids, rollouts.response_ids, pad_id)
+    batch = build_batch(
+        rollouts.prompt_ids,
+        rollouts.response_ids,
+        pad_id,
+        rollout_logprobs=rollouts.engine_logprobs,
+    )
     batch.advantages = torch.as_tensor(np.asarray(adv), dtype=torch.float32)
     stats = {
         "advantage_abs_mean": float(np.mean(np.abs(adv))),
@@ -187,7 +201,13 @@ def shape_duet(
     )
     rollouts.advantages, rollouts.weights = adv, weights
     masks = [[bool(k)] * len(r) for k, r in zip(kept, rollouts.response_ids, strict=True)]
-    batch = build_batch(rollouts.prompt_ids, rollouts.response_ids, pad_id, loss_masks=masks)
+    batch = build_batch(
+        rollouts.prompt_ids,
+        rollouts.response_ids,
+        pad_id,
+        loss_masks=masks,
+        rollout_logprobs=rollouts.engine_logprobs,
+    )
     batch.advantages = torch.as_tensor(weighted, dtype=torch.float32)
     stats = {
         "advantage_abs_mean": float(np.mean(np.abs(adv))),

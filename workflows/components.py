@@ -47,6 +47,7 @@ def torch_threads(cfg: Config) -> int:
 
 def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
     t, lora, dro = cfg.training, cfg.model.lora, cfg.algorithm.dro
+    warmup, total = cfg.lr_schedule_steps()
     return {
         "model_path": str(model_dir),
         "zero_stage": t.zero_stage,
@@ -61,6 +62,15 @@ def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         "clip_low": t.clip_low,
         "clip_high": t.clip_high,
         "loss_agg": t.loss_agg,
+        "temperature": cfg.generation.temperature,
+        "mini_batches": t.mini_batches,
+        "epochs": t.epochs,
+        "engine_is": t.engine_is,
+        "engine_is_cap": t.engine_is_cap,
+        "lr_schedule": t.lr_schedule,
+        "warmup_steps": warmup,
+        "total_steps": total,
+        "min_lr_ratio": t.min_lr_ratio,
         "max_response_len": cfg.generation.max_tokens,
         "loss": "dro" if dro.enabled else "grpo",
         "rho_ent": dro.rho_ent,

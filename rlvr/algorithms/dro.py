@@ -537,16 +537,21 @@ def entropy_mask(
     many tokens are kept, plus any tied with it. Returns (keep mask, threshold); with no token in
     `mask` the keep mask is empty and the threshold is +inf.
     """
-    if not 0 < rho_ent <= 1:
-        raise ValueError(f"rho_ent must be in (0, 1], got {rho_ent}")
     mask = mask.bool()
     entropy = entropy.detach()
-    values = entropy[mask]
-    if values.numel() == 0:
-        return torch.zeros_like(mask), torch.tensor(math.inf)
-    k = _ceil_count(rho_ent, values.numel())
-    threshold = torch.topk(values.float(), k).values[-1]
+    threshold = entropy_threshold(entropy[mask], rho_ent)
     return mask & (entropy.float() >= threshold), threshold
+
+
+def entropy_threshold(values: torch.Tensor, rho_ent: float = DEFAULT_RHO_ENT) -> torch.Tensor:
+    """The 80/20 cut of a flat set of token entropies: the ceil(rho_ent * n)-th largest value
+    (+inf when there is none). The trainer takes it over every loss token of the step."""
+    if not 0 < rho_ent <= 1:
+        raise ValueError(f"rho_ent must be in (0, 1], got {rho_ent}")
+    if values.numel() == 0:
+        return torch.tensor(math.inf)
+    k = _ceil_count(rho_ent, values.numel())
+    return torch.topk(values.detach().float().flatten(), k).values[-1]
 
 
 def dro_loss(
@@ -564,6 +569,8 @@ def dro_loss(
     rho_ent: float = DEFAULT_RHO_ENT,
     max_len: int | None = None,
     num_sequences: int | None = None,
+    entropy_threshold: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DRO's Dr.GRPO-style loss: sum M * (E * pg + beta * k3) / (N_acc * max_len) (digest 2.6).
 
@@ -575,7 +582,9 @@ def dro_loss(
     normaliser counts the accepted sequences, truncated ones included (TRL); rejected groups
     contribute no gradient and do not count. `entropy=None` applies PG to all of M. With
     micro-batches pass the step's `num_sequences` (accepted sequences) and one `max_len`
-    (default: T) so every micro-batch shares the normaliser.
+    (default: T) so every micro-batch shares the normaliser, and the whole batch's
+    `entropy_threshold` (`entropy_mask` over every rank's tokens) so the 80/20 cut is the batch's,
+    not each micro-batch's. `token_weights` (the engine importance correction) weight the PG term.
 
     Returns the loss and detached stats: pg_loss, kl_loss, kl_mean (per token of M),
     entropy_threshold, pg_token_frac (share of M's tokens with PG), num_sequences, and the
@@ -600,6 +609,9 @@ def dro_loss(
 
     if entropy is None:
         pg_mask, threshold = m, torch.tensor(-math.inf)
+    elif entropy_threshold is not None:
+        threshold = torch.tensor(float(entropy_threshold))
+        pg_mask = m & (entropy.detach().float() >= threshold)
     else:
         pg_mask, threshold = entropy_mask(entropy, m, rho_ent)
 
@@ -612,6 +624,7 @@ def dro_loss(
         clip_high=clip_high,
         agg="seq-mean-token-sum-norm",
         max_len=norm_len,
+        token_weights=token_weights,
     )
     # policy_loss divides by all B rows; the normaliser is the step's accepted sequences instead
     # (rejected rows hold no PG token, so they add nothing above). All rejected: the loss is 0.

@@ -110,24 +110,94 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return total / mask.sum().clamp(min=1)
 
 
+KL_LOG_RATIO_BOUND = 20.0
+"""|ref - logp| is clamped here before the exp of `kl_k3` (verl's low_var_kl), so exp stays finite."""
+KL_K3_BOUND = 10.0
+"""Each token's k3 is clamped to [-KL_K3_BOUND, KL_K3_BOUND] (verl's low_var_kl): one token whose
+reference log-prob is far below the policy's (e^20 - 21 unclamped) cannot dominate the step."""
+
+
 def kl_k3(
     logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || ref): exp(ref - logp) - (ref - logp) - 1, always >= 0.
 
     Schulman's low-variance unbiased estimator for samples drawn from pi. Shapes `[batch, seq]`.
-    With `mask`, positions outside it are exactly 0 and pass no gradient, even where the
-    log-probs there are -inf or NaN (the difference is selected before the exp).
+    As in verl, ref - logp is clamped to +-`KL_LOG_RATIO_BOUND` and the estimate to
+    +-`KL_K3_BOUND`; a clamped token passes no gradient. With `mask`, positions outside it are
+    exactly 0 and pass no gradient, even where the log-probs there are -inf or NaN (the
+    difference is selected before the exp).
     """
     diff = ref_logp - logp
     if mask is not None:
         diff = torch.where(mask.bool(), diff, torch.zeros_like(diff))
-    return torch.exp(diff) - diff - 1.0
+    diff = diff.clamp(-KL_LOG_RATIO_BOUND, KL_LOG_RATIO_BOUND)
+    return (torch.exp(diff) - diff - 1.0).clamp(-KL_K3_BOUND, KL_K3_BOUND)
 
 
-def kl_k3_mean(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token mean of `kl_k3` over the valid positions of `mask` (`[batch, seq]` -> scalar)."""
-    return masked_mean(kl_k3(logp, ref_logp, mask), mask)
+def kl_loss(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    agg: str = "token-mean",
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """`kl_k3` aggregated like the policy loss (`agg`, as verl's kl_loss with loss_agg_mode), so
+    the KL and PG terms weigh tokens and sequences the same way."""
+    aggregate = _lookup(LOSS_AGGREGATIONS, agg, "loss aggregation")
+    mask = mask.bool()
+    return aggregate(kl_k3(logp, ref_logp, mask), mask, max_len)
+
+
+ENGINE_IS_MODES = ("off", "tis", "mask")
+
+
+def engine_is_weights(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "tis",
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token weights correcting the engine/trainer mismatch: rho = exp(old_logp - rollout_logp).
+
+    The rollouts were drawn by the inference engine (mu), the loss assumes the trainer's
+    pi_old; "tis" weights each token by min(rho, cap) (truncated importance sampling, as verl and
+    OpenRLHF), "mask" keeps rho <= cap at weight 1 and drops the rest (weight 0, still counted in
+    the loss's denominator), "off" weights 1. A token the engine gave probability 1
+    (rollout_logp == 0: a stop rule's forced EOS, or a one-token nucleus) was not drawn from a
+    distribution the trainer models; it keeps weight 1 and stays out of the statistics.
+
+    Returns detached weights `[batch, seq]` (1 outside `mask`) and 0-dim stats over the compared
+    tokens: engine_ratio_mean / engine_ratio_max (rho), engine_capped_frac (rho > cap) and
+    engine_kl, the k1 estimate of KL(mu || pi_old) = E_mu[rollout_logp - old_logp].
+    """
+    if mode not in ENGINE_IS_MODES:
+        raise ValueError(f"engine importance mode must be one of {ENGINE_IS_MODES}, got {mode!r}")
+    if not cap >= 1.0:
+        raise ValueError(f"the importance cap must be >= 1, got {cap}")
+    with torch.no_grad():
+        compared = mask.bool() & (rollout_logp != 0)
+        zeros = torch.zeros_like(old_logp)
+        log_rho = torch.where(compared, old_logp - rollout_logp, zeros)
+        rho = torch.exp(log_rho)
+        capped = compared & (rho > cap)
+        if mode == "tis":
+            weights = torch.where(compared, rho.clamp(max=cap), torch.ones_like(rho))
+        elif mode == "mask":
+            weights = (~capped).to(old_logp.dtype)
+        else:
+            weights = torch.ones_like(rho)
+        stats = {
+            "engine_ratio_mean": masked_mean(rho, compared),
+            "engine_ratio_max": torch.where(
+                compared.any(), torch.where(compared, rho, zeros).max(), 1.0
+            ),
+            "engine_capped_frac": masked_mean(capped.to(old_logp.dtype), compared),
+            "engine_kl": masked_mean(-log_rho, compared),
+            "engine_tokens": compared.sum().to(old_logp.dtype),
+        }
+    return weights, stats
 
 
 @register_loss_agg("token-mean")
@@ -171,11 +241,13 @@ def policy_loss(
     agg: str = "token-mean",
     weights: torch.Tensor | None = None,
     max_len: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip policy loss with asymmetric clipping, aggregated by `agg`.
 
     Shapes: `logp`, `old_logp`, `mask` `[batch, seq]`; `advantages` `[batch]` or `[batch, seq]`;
-    `weights` `[batch]` (e.g. DUET importance weights) multiply each sequence's token losses.
+    `weights` `[batch]` (e.g. DUET importance weights) multiply each sequence's token losses,
+    `token_weights` `[batch, seq]` (the engine importance correction) each token's.
     Per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)) with
     ratio = exp(logp - old_logp). Positions outside `mask` may hold -inf/NaN log-probs; they are
     removed with `torch.where` before the exp, so the loss and its gradients stay finite.
@@ -200,6 +272,8 @@ def policy_loss(
     token_loss = torch.maximum(unclipped, clipped)
     if weights is not None:
         token_loss = token_loss * weights.to(token_loss.dtype)[:, None]
+    if token_weights is not None:
+        token_loss = token_loss * torch.where(mask, token_weights.to(token_loss.dtype), zeros)
     loss = aggregate(token_loss, mask, max_len)
 
     with torch.no_grad():

@@ -4,6 +4,11 @@ per-token log-prob / entropy functions that define its alignment.
 Log-prob alignment used everywhere in `rlvr.training`: ``logp[:, t]`` is
 ``log p(input_ids[:, t] | input_ids[:, :t])``. Position 0 has no prediction; it holds 0 and is never in
 ``response_mask``.
+
+Log-probs and entropies are those of the sampling distribution at temperature T, softmax(logits / T):
+the distribution the rollouts were drawn from (verl, OpenRLHF and TRL divide the logits the same
+way). T = 1 gives the model's own distribution, which DRO's R3 scoring needs (its reward
+is the policy's own certainty of the reference answer, arXiv:2506.13351).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ class TrainBatch:
     ``response_mask`` is True exactly on response tokens that receive loss (never on prompt or
     padding tokens). The optional per-sequence ``advantages`` / ``weights`` (``[B]``) and per-token
     ``old_logp`` / ``ref_logp`` (``[B, T]``, same alignment as the module docstring) are filled in by
-    the caller or by the trainer before the loss. A Tandem batch also carries ``authorship``, which
-    the policy turns into its senior-only loss mask.
+    the caller or by the trainer before the loss. ``rollout_logp`` holds the generation engine's
+    log-prob of each sampled response token (same alignment; 0 elsewhere), for the engine
+    importance correction. A Tandem batch also carries ``authorship``, which the policy turns into
+    its senior-only loss mask.
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -31,6 +38,7 @@ class TrainBatch:
     weights: torch.Tensor | None = None  # [B] float
     old_logp: torch.Tensor | None = None  # [B, T] float
     ref_logp: torch.Tensor | None = None  # [B, T] float
+    rollout_logp: torch.Tensor | None = None  # [B, T] float, the engine's sampled-token log-probs
     authorship: torch.Tensor | None = None  # [B, T] long, Tandem: 1 where the senior wrote
 
     def __len__(self) -> int:
@@ -97,11 +105,14 @@ def build_batch(
     responses: list[list[int]],
     pad_id: int,
     loss_masks: list[list[bool]] | None = None,
+    rollout_logprobs: list[list[float]] | None = None,
 ) -> TrainBatch:
     """Pack prompt/response token ids into a right-padded `TrainBatch`.
 
     ``loss_masks[i]`` (one flag per response token) drops response tokens from the loss, e.g. the
     junior's tokens in a Tandem rollout; by default every response token gets loss.
+    ``rollout_logprobs[i]`` (one per response token) are the engine's log-probs of the sampled
+    tokens, carried as ``rollout_logp``.
     """
     if not prompts:
         raise ValueError("empty batch")
@@ -109,6 +120,8 @@ def build_batch(
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     if loss_masks is not None and len(loss_masks) != len(responses):
         raise ValueError(f"{len(loss_masks)} loss masks but {len(responses)} responses")
+    if rollout_logprobs is not None and len(rollout_logprobs) != len(responses):
+        raise ValueError(f"{len(rollout_logprobs)} log-prob rows but {len(responses)} responses")
     if any(len(p) == 0 for p in prompts):
         # Position 0 has no prediction, so a response needs at least one prompt token before it.
         raise ValueError("every prompt needs at least one token")
@@ -117,6 +130,7 @@ def build_batch(
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     response_mask = torch.zeros((n, width), dtype=torch.bool)
+    rollout_logp = None if rollout_logprobs is None else torch.zeros((n, width))
     for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
         p, r = len(prompt), len(response)
         input_ids[i, : p + r] = torch.tensor(prompt + response, dtype=torch.long)
@@ -129,27 +143,49 @@ def build_batch(
                     f"loss mask {i} has {len(loss_masks[i])} flags for {r} response tokens"
                 )
             response_mask[i, p : p + r] = torch.tensor(loss_masks[i], dtype=torch.bool)
+        if rollout_logp is not None:
+            if len(rollout_logprobs[i]) != r:
+                raise ValueError(
+                    f"log-prob row {i} has {len(rollout_logprobs[i])} values for {r} response tokens"
+                )
+            rollout_logp[i, p : p + r] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
     return TrainBatch(
-        input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        rollout_logp=rollout_logp,
     )
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Log-probs of each token given its prefix: ``[b, t, V], [b, t] -> [b, t]`` float32.
 
-    ``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` from ``logits[:, t - 1]``; ``out[:, 0]``
-    is 0 (no prediction).
+    ``out[:, t] = log p_T(input_ids[:, t] | input_ids[:, :t])`` from ``logits[:, t - 1] / T``;
+    ``out[:, 0]`` is 0 (no prediction).
     """
+    _check_temperature(temperature)
     # gather - logsumexp keeps no [b, t, V] log-softmax alive for backward (the logits suffice).
     logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     picked = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return torch.nn.functional.pad(picked, (1, 0))
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the distribution predicting each token, aligned like `token_logprobs`: ``[b, t]``."""
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / T) predicting each token, aligned like `token_logprobs`."""
+    _check_temperature(temperature)
     logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")

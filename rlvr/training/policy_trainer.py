@@ -1,13 +1,16 @@
 """The trained policy under a DeepSpeed engine: ZeRO 0-3, full fine-tune or PEFT LoRA.
 
-Micro-batched log-prob passes (old / reference / teacher-forced scoring) and the GRPO PPO-clip step
-(`rlvr.algorithms.grpo`), merged-weight export for generation engines, HF checkpoints and exact resume.
+Micro-batched log-prob passes (old / reference / teacher-forced scoring) at the sampling temperature,
+the PPO-clip update over one or more mini-batches (`rlvr.algorithms.grpo`) with the engine importance
+correction, the learning-rate schedule, merged-weight export for generation engines, HF checkpoints
+and exact resume.
 One process per rank: on CPU a single gloo process, on GPUs one process (actor) per rank.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -30,6 +33,8 @@ from rlvr.generation.base import scored_positions
 from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LrSchedule = Literal["constant", "linear", "cosine"]
+EngineIS = Literal["off", "tis", "mask"]
 _STATE_TAG = "state"
 
 
@@ -69,23 +74,36 @@ def init_distributed() -> None:
 
 
 class PolicyTrainer:
-    """The policy model wrapped in a DeepSpeed engine, with GRPO log-prob, loss and step passes.
+    """The policy model wrapped in a DeepSpeed engine, with GRPO log-prob, loss and update passes.
 
-    ``train_step`` is one optimizer step over the whole batch, run in micro-batches of
-    ``micro_batch_size`` sequences with gradient accumulation; each micro-batch's loss is scaled so
-    the accumulated gradient equals that of the full-batch loss. With ``lora`` enabled only the
-    adapter trains and the reference policy is the same model with adapters disabled; a full
-    fine-tune keeps a frozen reference copy only when ``kl_coef > 0``.
+    Every log-prob and entropy is of softmax(logits / ``temperature``), the distribution the
+    rollouts were sampled from (pass the generation temperature); DRO's R3 scoring
+    (`sequence_logprobs`) alone stays at temperature 1.
+
+    ``train_step`` is one PPO update of a rollout batch: ``epochs`` passes over it, each split into
+    ``mini_batches`` optimizer steps (TRL's num_iterations, verl's ppo_epochs and
+    ppo_mini_batch_size). With more than one optimizer step the old-policy log-probs are computed
+    once, without grad, before the first, so the clipped ratio acts from the second step on; with
+    one they are the detached log-probs of the training forward itself (ratio 1, as in GRPO).
+    Each optimizer step runs in micro-batches of ``micro_batch_size`` sequences with gradient
+    accumulation, scaled so the accumulated gradient equals that of its mini-batch's loss.
+    ``engine_is`` corrects the mismatch between the generation engine that sampled the rollouts
+    and the trainer (`grpo.engine_is_weights`, cap ``engine_is_cap``) when the batch carries
+    ``rollout_logp``. With ``lora`` enabled only the adapter trains and the reference policy is the
+    same model with adapters disabled; a full fine-tune keeps a frozen reference copy only when
+    ``kl_coef > 0``. The k3 KL is aggregated like the policy loss (``loss_agg``).
 
     ``max_response_len`` is the constant normaliser of "seq-mean-token-sum-norm" (Dr.GRPO; pass the
     generation budget), by default the longest response of each batch. ``loss="dro"`` replaces the
     GRPO loss with DRO's (`dro.dro_loss`: Dr.GRPO normaliser over the batch's sequences, PG only on
-    the top ``rho_ent`` entropy tokens of each micro-batch, k3 KL weighted by ``kl_coef`` on all
+    the top ``rho_ent`` entropy tokens of the whole batch, k3 KL weighted by ``kl_coef`` on all
     loss tokens); the caller leaves rejected groups out of the batch and gives truncated rollouts
-    no loss tokens, so they count in the normaliser only. ``warmup_steps`` ramps the
-    lr linearly over the first optimizer steps. bf16 with ZeRO 1-3 keeps fp32 master weights and
-    fp32 gradient accumulation; with stage 0 DeepSpeed accumulates gradients in bf16. On CPU every
-    ZeRO stage runs in one gloo process and a fixed seed reproduces a run bit for bit.
+    no loss tokens, so they count in the normaliser only. The learning rate follows
+    ``lr_schedule`` (constant, linear or cosine decay to ``min_lr_ratio`` * lr over
+    ``total_steps`` optimizer steps) after a linear warm-up of ``warmup_steps``; its state is in
+    the checkpoint. bf16 with ZeRO 1-3 keeps fp32 master weights and fp32 gradient accumulation;
+    with stage 0 DeepSpeed accumulates gradients in bf16. On CPU every ZeRO stage runs in one gloo
+    process and a fixed seed reproduces a run bit for bit.
 
     On several ranks (data parallel, one process each) every rank calls the same methods in the
     same order with its own share of the batch, and the shares must split into the same number of
@@ -111,13 +129,33 @@ class PolicyTrainer:
         clip_high: float = 0.2,
         loss_agg: LossAgg = "token-mean",
         max_response_len: int | None = None,
-        warmup_steps: int = 0,
         loss: Literal["grpo", "dro"] = "grpo",
         rho_ent: float = dro.DEFAULT_RHO_ENT,
+        temperature: float = 1.0,
+        mini_batches: int = 1,
+        epochs: int = 1,
+        engine_is: EngineIS = "off",
+        engine_is_cap: float = 2.0,
+        lr_schedule: LrSchedule = "constant",
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
     ) -> None:
         if loss not in ("grpo", "dro"):
             raise ValueError(f"loss must be 'grpo' or 'dro', got {loss!r}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if mini_batches < 1 or epochs < 1:
+            raise ValueError(f"mini_batches={mini_batches} and epochs={epochs} must be >= 1")
+        if engine_is not in grpo.ENGINE_IS_MODES:
+            raise ValueError(f"engine_is must be one of {grpo.ENGINE_IS_MODES}, got {engine_is!r}")
+        schedule = LrLambda(lr_schedule, warmup_steps, total_steps, min_lr_ratio)
         init_distributed()
+        self.temperature = temperature
+        self.mini_batches = mini_batches
+        self.epochs = epochs
+        self.engine_is: EngineIS = engine_is
+        self.engine_is_cap = engine_is_cap
         self.loss = loss
         self.rho_ent = rho_ent
         self.micro_batch_size = micro_batch_size
@@ -160,9 +198,7 @@ class PolicyTrainer:
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay)
-        scheduler = None
-        if warmup_steps > 0:
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _LinearWarmup(warmup_steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         config = {
             # Accumulation is driven per call (set_gradient_accumulation_boundary), since batches vary
             # in size; DeepSpeed only needs a consistent nominal batch.
@@ -192,32 +228,44 @@ class PolicyTrainer:
         ).logits
 
     @torch.no_grad()
-    def _logprobs_with(self, model: Callable[..., Any], batch: TrainBatch) -> torch.Tensor:
+    def _logprobs_with(
+        self,
+        model: Callable[..., Any],
+        batch: TrainBatch,
+        temperature: float,
+        entropy: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Log-probs ``[B, T]`` at ``temperature``; fills ``entropy`` (``[B, T]``) when given."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
         for start, stop in self._micro_ranges(len(batch)):
             mb = batch.micro_batch(start, stop).to(self.device)
+            width = mb.input_ids.shape[1]
             logits = self._forward(model, mb)
-            out[start:stop, : mb.input_ids.shape[1]] = token_logprobs(logits, mb.input_ids).cpu()
+            out[start:stop, :width] = token_logprobs(logits, mb.input_ids, temperature).cpu()
+            if entropy is not None:
+                entropy[start:stop, :width] = token_entropy(logits, temperature).cpu()
             del logits
         return out
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Current policy log-probs ``[B, T]`` (float32, CPU), aligned as in `rlvr.training.batch`.
+        """Current policy log-probs ``[B, T]`` (float32, CPU) at the sampling temperature,
+        aligned as in `rlvr.training.batch`.
 
         Micro-batched because whole-batch logits over the vocabulary dominate memory.
         """
         self.engine.eval()
-        return self._logprobs_with(self.engine, batch)
+        return self._logprobs_with(self.engine, batch, self.temperature)
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Reference-policy log-probs ``[B, T]``: adapters disabled (LoRA) or the frozen copy."""
+        """Reference-policy log-probs ``[B, T]`` at the sampling temperature: adapters disabled
+        (LoRA) or the frozen copy."""
         if self.use_lora:
             self.engine.eval()
             with self.engine.module.disable_adapter():
-                return self._logprobs_with(self.engine, batch)
+                return self._logprobs_with(self.engine, batch, self.temperature)
         if self._ref_model is None:
             raise ValueError("no reference model: a full fine-tune keeps one only when kl_coef > 0")
-        return self._logprobs_with(self._ref_model, batch)
+        return self._logprobs_with(self._ref_model, batch, self.temperature)
 
     def sequence_logprobs(
         self, sequences: list[list[int]], positions: list[list[int]]
@@ -225,12 +273,14 @@ class PolicyTrainer:
         """Current-policy log p(seq[t] | seq[:t]) at each t of `positions[i]` (DRO's R3 scoring).
 
         The learner-side twin of the generation backends' `score_logprobs`: one teacher-forced
-        forward per sequence (micro-batched), full vocabulary, temperature 1.
+        forward per sequence (micro-batched), full vocabulary, temperature 1 whatever the sampling
+        temperature (R3 is the policy's own certainty of the reference answer).
         """
         batch = build_batch(
             [list(s[:1]) for s in sequences], [list(s[1:]) for s in sequences], self._pad_id
         )
-        logp = self.logprobs(batch)
+        self.engine.eval()
+        logp = self._logprobs_with(self.engine, batch, temperature=1.0)
         return [
             logp[i, scored_positions(pos, len(sequences[i]))].tolist()
             for i, pos in enumerate(positions)
@@ -239,54 +289,131 @@ class PolicyTrainer:
     # ------------------------------------------------------------------ training
 
     def train_step(self, batch: TrainBatch, logprob_sums: bool = False) -> dict[str, Any]:
-        """One optimizer step of the PPO-clip GRPO loss (+ ``kl_coef`` * k3 KL) over ``batch``.
+        """One PPO update of ``batch``: ``epochs`` x ``mini_batches`` optimizer steps of the
+        PPO-clip GRPO loss (+ ``kl_coef`` * k3 KL), or the DRO loss.
 
-        ``batch.advantages`` is required; ``old_logp`` defaults to the current policy (on-policy,
-        ratio 1) and ``ref_logp`` to `ref_logprobs` when ``kl_coef > 0``. Returns the full-batch
-        loss, pre-clip grad_norm, clip_frac, kl, entropy (token means), lr and tokens. With
+        ``batch.advantages`` is required; ``old_logp`` defaults to the current policy before the
+        update and ``ref_logp`` to `ref_logprobs` when ``kl_coef > 0``. Returns, averaged over the
+        optimizer steps, loss, pg_loss, kl, entropy (token means), clip_frac (and its _low / _high
+        sides), approx_kl (to the behaviour policy pi_old), grad_norm (pre-clip), lr, plus tokens,
+        optimizer_steps and "updates" (the same figures per optimizer step). With ``rollout_logp``
+        in the batch it adds the engine/trainer mismatch (`grpo.engine_is_weights`: engine_ratio_mean,
+        engine_ratio_max, engine_capped_frac, engine_kl), measured whatever ``engine_is`` is. With
         ``logprob_sums`` it also returns "logprob_sums": per sequence of this rank's batch, the
-        old-policy log-prob summed over its loss tokens (DUET's surrogate), taken from the
-        training forward at no extra cost. The DRO loss also returns "entropy_threshold", the mean
-        over micro-batches of the 80/20 entropy cut.
+        old-policy log-prob summed over its loss tokens (DUET's surrogate). The DRO loss also
+        returns "entropy_threshold", the 80/20 cut over every loss token of the batch.
         """
         if batch.advantages is None:
             raise ValueError("train_step needs batch.advantages")
-        # One optimizer step per batch: the policy is the same for every micro-batch, so the
-        # on-policy old log-probs are the detached log-probs of the training forward itself.
-        on_policy = batch.old_logp is None
+        if int(self._all_reduce([batch.num_loss_tokens], "sum")[0]) == 0:
+            raise ValueError("batch has no loss tokens")
+        parts = self._mini_batch_rows(len(batch))
+        several = self.epochs * len(parts) > 1
+        entropy = torch.zeros(batch.input_ids.shape) if self.loss == "dro" else None
+        if (several and batch.old_logp is None) or entropy is not None:
+            # pi_old before the first optimizer step: the ratio's denominator for every later
+            # step, and (DRO) the entropies of the whole batch's 80/20 cut.
+            self.engine.eval()
+            old_logp = self._logprobs_with(self.engine, batch, self.temperature, entropy)
+            if batch.old_logp is None:
+                batch = replace(batch, old_logp=old_logp)
         if self.kl_coef > 0 and batch.ref_logp is None:
             batch = replace(batch, ref_logp=self.ref_logprobs(batch))
+        threshold = None
+        if entropy is not None:
+            values = self._gather(entropy[batch.response_mask])
+            threshold = float(dro.entropy_threshold(values, self.rho_ent))
 
+        engine = _EngineMismatch()
+        seq_logp = torch.zeros(len(batch), dtype=torch.float64)
+        updates: list[dict[str, float]] = []
+        for epoch in range(self.epochs):
+            for rows in parts:
+                part = batch if len(rows) == len(batch) else batch.select(rows)
+                # The first pass sees every row once, against pi_old: the mismatch and the
+                # old-policy sums are taken there.
+                first = epoch == 0
+                stats = self._optimizer_step(part, threshold, engine if first else None)
+                row_sums = stats.pop("logprob_sums")
+                if first:
+                    seq_logp[rows] = row_sums
+                updates.append(stats)
+
+        out: dict[str, Any] = {
+            key: sum(u[key] for u in updates) / len(updates)
+            for key in updates[0]
+            if key != "tokens"
+        }
+        out["tokens"] = int(self._all_reduce([batch.num_loss_tokens], "sum")[0])
+        out["optimizer_steps"] = len(updates)
+        out["updates"] = updates
+        if threshold is not None:
+            out["entropy_threshold"] = threshold
+        if batch.rollout_logp is not None:
+            out.update(engine.summary(self._all_reduce))
+        if logprob_sums:
+            out["logprob_sums"] = seq_logp.tolist()
+        return out
+
+    def _mini_batch_rows(self, n: int) -> list[list[int]]:
+        """Rows of each optimizer step: ``mini_batches`` contiguous, near-equal slices (whole GRPO
+        groups stay together when the batch is in group order); fewer when rows run out."""
+        count = min(self.mini_batches, n)
+        bounds = [round(i * n / count) for i in range(count + 1)]
+        return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
+
+    def _optimizer_step(
+        self, batch: TrainBatch, threshold: float | None, engine: _EngineMismatch | None
+    ) -> dict[str, Any]:
+        """One optimizer step over ``batch`` in micro-batches; the loss is this (global) batch's.
+
+        ``old_logp`` None means on-policy: the detached log-probs of this very forward.
+        """
+        on_policy = batch.old_logp is None
         # The loss is the global-batch loss across ranks, so its denominators are global sums.
         per_seq_tokens = batch.response_mask.sum(dim=1)
         agg_counts = self._aggregation_counts(per_seq_tokens)
         n_tokens, n_agg = (
             int(x) for x in self._all_reduce([per_seq_tokens.sum(), agg_counts.sum()], "sum")
         )
-        if n_tokens == 0:
-            raise ValueError("batch has no loss tokens")
         # Dr.GRPO's constant normaliser must be the same for every micro-batch of the step.
         max_len = self.max_response_len or int(self._all_reduce([per_seq_tokens.max()], "max")[0])
         n_seqs = int(self._all_reduce([len(batch)], "sum")[0]) if self.loss == "dro" else 0
-        entropy_thresholds: list[float] = []
 
         self.engine.train()
         lr = self.engine.get_lr()[0]
-        totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl"), 0.0)
+        keys = (
+            "loss",
+            "pg_loss",
+            "kl",
+            "entropy",
+            "clip_frac",
+            "clip_frac_low",
+            "clip_frac_high",
+            "approx_kl",
+        )
+        totals = dict.fromkeys(keys, 0.0)
         seq_logp = torch.zeros(len(batch), dtype=torch.float64)
         ranges = list(self._micro_ranges(len(batch)))
         for i, (start, stop) in enumerate(ranges):
             mb = batch.micro_batch(start, stop).to(self.device)
             self.engine.set_gradient_accumulation_boundary(i == len(ranges) - 1)
             logits = self._forward(self.engine, mb)
-            logp = token_logprobs(logits, mb.input_ids)
-            entropy = token_entropy(logits)
+            logp = token_logprobs(logits, mb.input_ids, self.temperature)
+            entropy = token_entropy(logits, self.temperature)
             del logits
-            token_share = int(per_seq_tokens[start:stop].sum()) / n_tokens
+            token_share = int(per_seq_tokens[start:stop].sum()) / max(n_tokens, 1)
             old_logp = logp.detach() if on_policy else mb.old_logp
-            if logprob_sums:
-                masked = torch.where(mb.response_mask, old_logp, torch.zeros_like(old_logp))
-                seq_logp[start:stop] = masked.sum(dim=1).double().cpu()
+            seq_logp[start:stop] = _masked_row_sums(old_logp, mb.response_mask)
+            token_weights = None
+            if mb.rollout_logp is not None:
+                token_weights, engine_stats = grpo.engine_is_weights(
+                    old_logp, mb.rollout_logp, mb.response_mask, self.engine_is, self.engine_is_cap
+                )
+                if engine is not None:
+                    engine.add(engine_stats)
+                if self.engine_is == "off":
+                    token_weights = None
             if self.loss == "dro":
                 loss, stats = dro.dro_loss(
                     logp,
@@ -301,11 +428,11 @@ class PolicyTrainer:
                     rho_ent=self.rho_ent,
                     max_len=max_len,
                     num_sequences=n_seqs,
+                    entropy_threshold=threshold,
+                    token_weights=token_weights,
                 )
                 pg_loss = stats["pg_loss"]
                 totals["kl"] += stats["kl_loss"].item()
-                if mb.response_mask.any():
-                    entropy_thresholds.append(float(stats["entropy_threshold"]))
             else:
                 pg_loss, stats = grpo.policy_loss(
                     logp,
@@ -317,22 +444,27 @@ class PolicyTrainer:
                     agg=self.loss_agg,
                     weights=mb.weights,
                     max_len=max_len,
+                    token_weights=token_weights,
                 )
                 # The aggregation divides by this micro-batch's count; rescale to the global count.
-                pg_loss = pg_loss * (int(agg_counts[start:stop].sum()) / n_agg)
+                agg_share = int(agg_counts[start:stop].sum()) / max(n_agg, 1)
+                pg_loss = pg_loss * agg_share
                 loss = pg_loss
-            if self.kl_coef > 0 and self.loss == "grpo":
-                kl = grpo.kl_k3_mean(logp, mb.ref_logp, mb.response_mask) * token_share
-                loss = loss + self.kl_coef * kl
-                totals["kl"] += kl.item()
+                if self.kl_coef > 0:
+                    kl = (
+                        grpo.kl_loss(logp, mb.ref_logp, mb.response_mask, self.loss_agg, max_len)
+                        * agg_share
+                    )
+                    loss = loss + self.kl_coef * kl
+                    totals["kl"] += kl.item()
             # DeepSpeed averages gradients over ranks, hence the world-size factor. Every
             # micro-batch runs backward, even one without loss tokens: ZeRO reduces on the last.
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             totals["loss"] += loss.item()
             totals["pg_loss"] += pg_loss.item()
             totals["entropy"] += grpo.masked_mean(entropy, mb.response_mask).item() * token_share
-            totals["clip_frac"] += stats["clip_frac"].item() * token_share
-            totals["approx_kl"] += stats["approx_kl"].item() * token_share
+            for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl"):
+                totals[key] += stats[key].item() * token_share
 
         pre_step_norm = self._grad_norm() if self.zero_stage == 0 else None
         self.engine.step()
@@ -342,18 +474,25 @@ class PolicyTrainer:
             grad_norm = pre_step_norm
         self.steps += 1
         metrics = dict(zip(totals, self._all_reduce(list(totals.values()), "sum"), strict=True))
-        out: dict[str, Any] = {
+        return {
             **metrics,
             "grad_norm": float(grad_norm),
             "lr": lr,
             "tokens": n_tokens,
+            "logprob_sums": seq_logp,
         }
-        if entropy_thresholds:
-            # The 80/20 quantile is taken per micro-batch (as TRL does per device batch).
-            out["entropy_threshold"] = sum(entropy_thresholds) / len(entropy_thresholds)
-        if logprob_sums:
-            out["logprob_sums"] = seq_logp.tolist()
-        return out
+
+    def _gather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D ``values`` concatenated (sizes may differ between ranks)."""
+        if self.world_size == 1:
+            return values
+        sizes = [None] * self.world_size
+        dist.all_gather_object(sizes, int(values.numel()))
+        padded = torch.zeros(max(sizes), dtype=torch.float32, device=self.device)
+        padded[: values.numel()] = values.to(self.device, torch.float32)
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]).cpu()
 
     def _aggregation_counts(self, per_seq_tokens: torch.Tensor) -> torch.Tensor:
         """Per sequence, its part of the loss aggregation's denominator (`grpo.LOSS_AGGREGATIONS`).
@@ -478,11 +617,70 @@ def _top_layers(model: PreTrainedModel, top: int | None) -> list[int] | None:
     return list(range(n_layers - top, n_layers))
 
 
-class _LinearWarmup:
-    """lr multiplier rising linearly to 1 over ``steps`` optimizer steps (picklable, unlike a lambda)."""
+class LrLambda:
+    """The lr multiplier of optimizer step k (0-based): a linear warm-up to 1 over ``warmup``
+    steps, then constant, or a linear / cosine decay to ``min_ratio`` at step ``total``.
 
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
+    A class rather than a lambda so that DeepSpeed can pickle it with the scheduler's state.
+    """
+
+    def __init__(
+        self,
+        schedule: LrSchedule = "constant",
+        warmup: int = 0,
+        total: int | None = None,
+        min_ratio: float = 0.0,
+    ) -> None:
+        if schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"unknown lr schedule {schedule!r}")
+        if warmup < 0 or not 0.0 <= min_ratio <= 1.0:
+            raise ValueError(f"warmup={warmup} must be >= 0 and min_ratio={min_ratio} in [0, 1]")
+        if schedule != "constant" and (total is None or total <= warmup):
+            raise ValueError(
+                f"a {schedule} lr schedule needs total steps above the warm-up ({warmup}), got {total}"
+            )
+        self.schedule, self.warmup, self.total, self.min_ratio = schedule, warmup, total, min_ratio
 
     def __call__(self, step: int) -> float:
-        return min(1.0, (step + 1) / self.steps)
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / (self.total - self.warmup))
+        if self.schedule == "linear":
+            decay = 1.0 - progress
+        else:
+            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_ratio + (1.0 - self.min_ratio) * decay
+
+
+class _EngineMismatch:
+    """Token-weighted running means (and the max) of `grpo.engine_is_weights`'s statistics over
+    the micro-batches of an update."""
+
+    MEANS = ("engine_ratio_mean", "engine_capped_frac", "engine_kl")
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(self.MEANS, 0.0)
+        self.tokens = 0.0
+        self.ratio_max = 0.0
+
+    def add(self, stats: dict[str, torch.Tensor]) -> None:
+        n = float(stats["engine_tokens"])
+        for key in self.MEANS:
+            self.sums[key] += float(stats[key]) * n
+        self.tokens += n
+        if n:
+            self.ratio_max = max(self.ratio_max, float(stats["engine_ratio_max"]))
+
+    def summary(self, all_reduce: Callable[..., list[float]]) -> dict[str, float]:
+        *sums, tokens = all_reduce([*self.sums.values(), self.tokens], "sum")
+        (ratio_max,) = all_reduce([self.ratio_max], "max")
+        out = {key: s / tokens if tokens else 0.0 for key, s in zip(self.MEANS, sums, strict=True)}
+        out["engine_ratio_max"] = ratio_max if tokens else 1.0
+        return out
+
+
+def _masked_row_sums(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row, ``logp`` summed over ``mask`` (float64, CPU): a sequence's log-prob."""
+    return torch.where(mask, logp, torch.zeros_like(logp)).sum(dim=1).double().cpu()

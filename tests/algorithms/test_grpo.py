@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from rlvr.algorithms.grpo import (
+    engine_is_weights,
     group_advantages,
     kl_k3,
-    kl_k3_mean,
+    kl_loss,
     masked_mean,
     policy_loss,
 )
@@ -218,15 +219,78 @@ def test_kl_k3_is_zero_when_equal_and_matches_formula():
     assert (kl_k3(logp, ref) >= 0).all()
 
 
-def test_kl_k3_mean_ignores_inf_pads_in_value_and_gradient():
+def test_kl_loss_ignores_inf_pads_in_value_and_gradient():
     logp = torch.tensor([[math.log(0.5), -math.inf]], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([[math.log(0.25), math.nan]], dtype=torch.float64)
     mask = torch.tensor([[1, 0]])
-    kl = kl_k3_mean(logp, ref, mask)
+    kl = kl_loss(logp, ref, mask)
     kl.backward()
     assert kl.item() == pytest.approx(0.5 - math.log(0.5) - 1)
     # d k3 / d logp = -(e^d - 1) = 0.5 at the valid token; the pad gets exactly 0.
     torch.testing.assert_close(logp.grad, torch.tensor([[0.5, 0.0]], dtype=torch.float64))
+
+
+def test_kl_k3_is_clamped_as_verl_low_var_kl():
+    # d = ref - logp = 25 is clamped to 20 before the exp, and e^20 - 21 to 10 after it;
+    # d = -30 is clamped to -20: e^-20 + 20 - 1 = 19.000000002 -> 10. A clamped token has no grad.
+    logp = torch.tensor([[-30.0, 0.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-5.0, -30.0, -1.5]], dtype=torch.float64)
+    k3 = kl_k3(logp, ref)
+    expected = [10.0, 10.0, math.exp(-0.5) + 0.5 - 1]
+    torch.testing.assert_close(k3[0], torch.tensor(expected, dtype=torch.float64))
+    k3.sum().backward()
+    torch.testing.assert_close(
+        logp.grad, torch.tensor([[0.0, 0.0, -(math.exp(-0.5) - 1)]], dtype=torch.float64)
+    )
+
+
+def test_kl_loss_aggregates_like_the_policy_loss():
+    # two sequences: 1 token and 3 tokens; k3 per token below
+    d = torch.tensor([[0.5, 0.0, 0.0], [-0.5, 0.2, 0.1]], dtype=torch.float64)
+    logp = torch.zeros_like(d)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    k = (d.exp() - d - 1).tolist()
+    tok = [k[0][0], k[1][0], k[1][1], k[1][2]]
+    assert kl_loss(logp, d, mask, "token-mean").item() == pytest.approx(sum(tok) / 4)
+    seq = (k[0][0] + sum(k[1]) / 3) / 2
+    assert kl_loss(logp, d, mask, "seq-mean-token-mean").item() == pytest.approx(seq)
+    norm = (k[0][0] / 8 + sum(k[1]) / 8) / 2
+    assert kl_loss(logp, d, mask, "seq-mean-token-sum-norm", 8).item() == pytest.approx(norm)
+
+
+def test_engine_is_weights_tis_mask_and_stats():
+    # rho = exp(old - rollout): 1.5, 3.0 (past the cap 2), 0.5; the 4th token is a forced EOS
+    # (engine log-prob 0) and the 5th is outside the mask.
+    old = torch.log(torch.tensor([[0.3, 0.6, 0.1, 0.2, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.2, 0.2, 0.2, 1.0, 0.1]]))
+    mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
+    w, stats = engine_is_weights(old, rollout, mask, "tis", cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.5, 2.0, 0.5, 1.0, 1.0]]))
+    w, _ = engine_is_weights(old, rollout, mask, "mask", cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0, 1.0, 1.0, 1.0]]))
+    w, _ = engine_is_weights(old, rollout, mask, "off", cap=2.0)
+    assert torch.equal(w, torch.ones_like(w))
+    # float32 log/exp round trips: a few ulps of 3.0
+    assert stats["engine_ratio_mean"].item() == pytest.approx((1.5 + 3.0 + 0.5) / 3, rel=1e-6)
+    assert stats["engine_ratio_max"].item() == pytest.approx(3.0, rel=1e-6)
+    assert stats["engine_capped_frac"].item() == pytest.approx(1 / 3)
+    kl = -(math.log(1.5) + math.log(3.0) + math.log(0.5)) / 3
+    assert stats["engine_kl"].item() == pytest.approx(kl, rel=1e-5)
+    assert stats["engine_tokens"].item() == 3
+    with pytest.raises(ValueError, match="one of"):
+        engine_is_weights(old, rollout, mask, "clip")
+    with pytest.raises(ValueError, match="cap"):
+        engine_is_weights(old, rollout, mask, "tis", cap=0.5)
+
+
+def test_policy_loss_token_weights_scale_each_token():
+    logp = torch.zeros(1, 3)
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([2.0])
+    weights = torch.tensor([[0.5, 2.0, math.nan]])  # NaN outside the mask stays out
+    loss, _ = policy_loss(logp, logp, adv, mask, token_weights=weights)
+    # ratio 1: token losses -2 * 0.5 and -2 * 2.0, token mean over 2 tokens
+    assert loss.item() == pytest.approx((-1.0 - 4.0) / 2)
 
 
 def test_masked_mean_ignores_nan_outside_mask():
