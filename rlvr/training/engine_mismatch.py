@@ -1,0 +1,55 @@
+"""How far a generation engine's sampled-token log-probs are from the trainer's for the same tokens.
+
+The engine samples rollouts and reports log mu(token) under the distribution it drew from; the
+trainer recomputes log pi_old(token) with its own kernels (`token_logprobs` at the sampling
+temperature). Their gap is what the engine importance correction (`grpo.engine_is_weights`)
+repairs; this module measures it on a batch of generation results, for tests and `bench/`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rlvr.algorithms.grpo import engine_is_weights
+from rlvr.generation.base import GenerationResult
+from rlvr.training.batch import TrainBatch, build_batch, token_logprobs
+
+
+def results_batch(results: Sequence[GenerationResult], pad_id: int) -> TrainBatch:
+    """Every sample of `results` as a batch row, carrying the engine's log-probs."""
+    samples = [(r.prompt_ids, s) for r in results for s in r.samples]
+    return build_batch(
+        [list(p) for p, _ in samples],
+        [s.token_ids for _, s in samples],
+        pad_id,
+        rollout_logprobs=[s.logprobs for _, s in samples],
+    )
+
+
+@torch.no_grad()
+def trainer_logprobs(
+    model: Callable[..., Any], batch: TrainBatch, temperature: float, micro_batch_size: int = 16
+) -> torch.Tensor:
+    """`token_logprobs` of a plain HF model over `batch` at `temperature` (``[B, T]``, CPU)."""
+    out = torch.zeros(batch.input_ids.shape)
+    for start in range(0, len(batch), micro_batch_size):
+        mb = batch.micro_batch(start, min(start + micro_batch_size, len(batch)))
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+        out[start : start + len(mb), : mb.input_ids.shape[1]] = token_logprobs(
+            logits, mb.input_ids, temperature
+        )
+    return out
+
+
+def mismatch(batch: TrainBatch, logp: torch.Tensor, cap: float = 2.0) -> dict[str, float]:
+    """The engine/trainer ratio statistics of `grpo.engine_is_weights` plus the largest absolute
+    log-prob difference, over the response tokens the engine sampled."""
+    _, stats = engine_is_weights(logp, batch.rollout_logp, batch.response_mask, "tis", cap)
+    compared = batch.response_mask & (batch.rollout_logp != 0)
+    diff = (logp - batch.rollout_logp).abs()
+    out = {key: float(value) for key, value in stats.items()}
+    out["max_abs_logp_diff"] = float(torch.where(compared, diff, 0.0).max())
+    return out
