@@ -1,0 +1,94 @@
+"""Engine/trainer log-prob mismatch on a run config's own prompts, with and without the temperature.
+
+    .venv/bin/python bench/engine_mismatch.py --config configs/smollm2-arith.yaml --prompts 16 --n 8
+
+Samples `--n` rollouts for each of `--prompts` training prompts with vLLM at the config's sampling
+settings, then recomputes the sampled tokens' log-probs the trainer's way (`token_logprobs` over
+the same weights) twice: at the sampling temperature (what the trainer does) and at temperature 1
+(the raw logits). Prints, for each, the engine/trainer ratio rho = pi_old / mu (mean, max), the
+share of tokens past the importance cap, KL(mu || pi_old) and the largest |log-prob difference|,
+and writes them as JSON beside the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlvr.config import load_config
+from rlvr.generation import make_backend
+from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.tasks.prompts import render_prompt
+from rlvr.training.engine_mismatch import mismatch, results_batch, trainer_logprobs
+from workflows.cli import ray_env
+from workflows.train import prepare
+
+COLUMNS = (
+    "engine_ratio_mean",
+    "engine_ratio_max",
+    "engine_capped_frac",
+    "engine_kl",
+    "max_abs_logp_diff",
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path("bench/out/engine_mismatch"))
+    args = parser.parse_args()
+    ray_env()
+    cfg = load_config(args.config, args.overrides)
+    model_dir, train_problems, _ = prepare(cfg)
+    g = cfg.generation
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    problems = train_problems[: args.prompts]
+    requests = [
+        GenerationRequest(render_prompt(tokenizer, p, cfg.task.instruction), n=args.n, seed=i)
+        for i, p in enumerate(problems)
+    ]
+    engine = make_backend(
+        "vllm",
+        model_dir,
+        dtype=cfg.model.dtype,
+        max_model_len=g.max_model_len,
+        kv_cache_gib=g.kv_cache_gib,
+        enforce_eager=True,
+    )
+    params = SamplingParams(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens)
+    results = engine.generate(requests, params)
+    engine.close()
+    batch = results_batch(results, tokenizer.pad_token_id or 0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    rows = {}
+    for label, temperature in (
+        (f"trainer at T = {g.temperature:g} (sampling)", g.temperature),
+        ("trainer at T = 1 (raw logits)", 1.0),
+    ):
+        logp = trainer_logprobs(model, batch, temperature)
+        rows[label] = mismatch(batch, logp, cfg.training.engine_is_cap)
+    title = (
+        f"{cfg.model.path}: {len(problems)} prompts x {args.n} rollouts, T = {g.temperature:g}, "
+        f"top-p = {g.top_p:g}, {int(batch.response_mask.sum())} tokens, "
+        f"cap C = {cfg.training.engine_is_cap:g}"
+    )
+    lines = [title, "", "| log-probs | " + " | ".join(COLUMNS) + " |"]
+    lines.append("|---" * (len(COLUMNS) + 1) + "|")
+    for label, stats in rows.items():
+        lines.append(f"| {label} | " + " | ".join(f"{stats[c]:.6g}" for c in COLUMNS) + " |")
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = Path(args.config).stem
+    (args.out / f"{stem}.md").write_text(table + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps({"title": title, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
