@@ -23,6 +23,11 @@ FAST = [
     "algorithm.laconic.enabled=true",
     "algorithm.laconic.budget=12",
     "algorithm.laconic.eta=0.05",
+    # Two PPO mini-batches per step under a cosine schedule: the resume test covers the schedule
+    # continuing and pi_old being recomputed exactly after a restart.
+    "training.mini_batches=2",
+    "training.lr_schedule=cosine",
+    "training.warmup_steps=1",
 ]
 
 

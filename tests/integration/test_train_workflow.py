@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 
@@ -27,6 +28,13 @@ def test_run_directory_contents(tiny_run_dir):
         assert 0.0 <= m["reward_mean"] <= 1.0
         assert m["time_step"] >= m["time_generate"] > 0
         assert "train_loss" in m and "train_grad_norm" in m
+        assert m["train_optimizer_steps"] == 2 and len(m["train_updates"]) == 2
+        # vLLM and the trainer compute the same tempered fp32 log-probs to ~1e-5
+        assert m["train_engine_ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+    # cosine to 0 over 4 steps x 2 optimizer steps after 1 warm-up step, from training.lr
+    lrs = [u["lr"] for m in metrics for u in m["train_updates"]]
+    want = [0.5 * (1 + math.cos(math.pi * max(k - 1, 0) / 7)) for k in range(8)]
+    assert lrs == pytest.approx([lrs[0] * w for w in want], rel=1e-9)
     # LACONIC (budget 12, eta 0.05): lambda steps by the signed violation, read once per step
     assert metrics[0]["laconic_lambda"] == 0.0
     for prev, m in zip(metrics, metrics[1:], strict=False):
