@@ -69,15 +69,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from workflows.train import prepare, run_path_for, train
+def fresh_run_name(output_dir: Path, name: str) -> str:
+    """`name`, or the first of `name-2`, `name-3`, ... with no directory under `output_dir`."""
+    candidate, n = name, 1
+    while (output_dir / candidate).exists():
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
 
-    cfg = load_config(args.config or DEMO_CONFIG, args.set)
+
+def demo_run_path(cfg: Config, overwrite: bool) -> Path:
+    """Where the demo writes: the configured run, deleted first when `overwrite` (and said so);
+    otherwise a fresh run name (set in `cfg`), so an earlier run is never lost."""
+    from workflows.train import run_path_for
+
     run_path = run_path_for(cfg)
-    if run_path.exists():
+    if not run_path.exists():
+        return run_path
+    if overwrite:
         import shutil
 
+        print(f"rlvr: --overwrite: deleting the earlier run {run_path}", file=sys.stderr)
         shutil.rmtree(run_path)
+        return run_path
+    cfg.run.name = fresh_run_name(run_path.parent, cfg.run.name)
+    print(f"rlvr: {run_path} exists; this demo runs as {cfg.run.name}", file=sys.stderr)
+    return run_path_for(cfg)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from workflows.train import prepare, train
+
+    cfg = load_config(args.config or DEMO_CONFIG, args.set)
+    run_path = demo_run_path(cfg, args.overwrite)
     prepared = prepare(cfg)
     init_ray(cfg)
     summary = train(cfg, run_path, prepared=prepared)
@@ -232,6 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--config", help="preset to use instead of configs/smollm2-arith.yaml")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an earlier run of the same name (default: run as NAME-2, NAME-3, ...)",
+    )
     d.set_defaults(fn=cmd_demo)
 
     pl = sub.add_parser("plot", help="write PNG curves of a run")
