@@ -1,9 +1,22 @@
-"""The `rlvr` command's own decisions, without training: where a demo writes."""
+"""The `rlvr` command's own decisions, without training: where a demo writes, where the actors'
+output goes."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
 from rlvr.config import load_config
 from workflows import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["resources.policy_cpus=0.1", "resources.generator_cpus=0.1", "resources.num_verifiers=1"]
 
 
 def test_fresh_run_name_skips_taken_names(tmp_path):
@@ -32,7 +45,114 @@ def test_demo_overwrite_deletes_and_says_so(tmp_path, capsys):
     assert f"deleting the earlier run {tmp_path / 'demo'}" in capsys.readouterr().err
 
 
-def test_demo_overwrite_flag():
+def test_demo_and_train_flags(capsys, tmp_path):
     parser = cli.build_parser()
+    for command in ("train", "demo"):
+        assert not parser.parse_args([command]).engine_logs
+        assert parser.parse_args([command, "--engine-logs"]).engine_logs
     assert parser.parse_args(["demo", "--overwrite"]).overwrite
     assert not parser.parse_args(["demo"]).overwrite
+    assert cli.announce_engine_log(tmp_path) == tmp_path / cli.ENGINE_LOG
+    assert str(tmp_path / cli.ENGINE_LOG) in capsys.readouterr().err
+
+
+def test_init_ray_sends_worker_output_to_the_engine_log(tmp_path, monkeypatch):
+    import ray
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = load_config(None, SMALL)
+    cli.init_ray(cfg, tmp_path / "run" / cli.ENGINE_LOG)
+    cli.init_ray(cfg)
+    quiet, loud = calls
+    assert quiet["log_to_driver"] is False and quiet["logging_level"] == logging.WARNING
+    env = quiet["runtime_env"]
+    assert env["env_vars"] == {cli.ENGINE_LOG_ENV: str(tmp_path / "run" / cli.ENGINE_LOG)}
+    module, name = env["worker_process_setup_hook"].rsplit(".", 1)
+    assert getattr(sys.modules[module], name) is cli.redirect_worker_output
+    assert loud["log_to_driver"] is True and "runtime_env" not in loud
+
+
+def test_redirect_worker_output_takes_the_file_descriptors(tmp_path):
+    """Python prints, logging and child processes all land in the file, none on the console."""
+    log = tmp_path / "run" / cli.ENGINE_LOG
+    script = textwrap.dedent(
+        """
+        import logging, os, subprocess, sys
+        from workflows.cli import redirect_worker_output
+        redirect_worker_output()
+        print("python stdout")
+        logging.getLogger("vllm").warning("python logging")
+        subprocess.run(["sh", "-c", "echo child stdout; echo child stderr >&2"], check=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, cli.ENGINE_LOG_ENV: str(log)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout == "" and done.stderr == ""
+    text = log.read_text()
+    for line in ("python stdout", "python logging", "child stdout", "child stderr"):
+        assert line in text
+
+
+def test_quiet_driver_silences_library_start_up_notes():
+    """DeepSpeed's accelerator note and transformers' progress bars stay off the console."""
+    script = textwrap.dedent(
+        """
+        from workflows.cli import quiet_driver
+        quiet_driver()
+        from deepspeed.accelerator import get_accelerator
+        from transformers.utils import logging
+        get_accelerator()
+        assert not logging.is_progress_bar_enabled()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert done.stdout == "" and "accelerator" not in done.stderr
+
+
+@pytest.mark.ray
+def test_actor_output_reaches_the_engine_log_not_the_console(tmp_path):
+    """A real cluster started as `rlvr train` starts it: an actor's prints go to the run's file."""
+    log = tmp_path / "run" / cli.ENGINE_LOG
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        import ray
+        from rlvr.config import load_config
+        from workflows.cli import init_ray
+
+        class Talker:
+            def talk(self):
+                print("actor says hello", flush=True)
+                print("actor warns", file=sys.stderr, flush=True)
+                return 1
+
+        init_ray(load_config(None, {SMALL!r}), Path({str(log)!r}))
+        assert ray.get(ray.remote(Talker).options(num_cpus=0).remote().talk.remote()) == 1
+        ray.shutdown()
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "actor says" not in done.stdout + done.stderr
+    assert "actor warns" not in done.stdout + done.stderr
+    text = log.read_text()
+    assert "actor says hello" in text and "actor warns" in text

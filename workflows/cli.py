@@ -3,7 +3,8 @@ filter and rubrics.
 
 `rlvr train` starts a local Ray cluster bound to 127.0.0.1, or joins the cluster named by
 RAY_ADDRESS (as `ray job submit` sets it). Configuration errors exit with status 2 before any
-actor starts.
+actor starts. The actors' own output (vLLM, DeepSpeed, Ray's worker lines) goes to the run's
+`engine.log` unless `--engine-logs` asks for it on the console.
 """
 
 from __future__ import annotations
@@ -14,10 +15,18 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from rlvr.config import Config, ConfigError, load_config
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-arith.yaml"
+ENGINE_LOG = "engine.log"
+"""File in the run directory that receives every actor's stdout and stderr."""
+ENGINE_LOG_ENV = "RLVR_ENGINE_LOG"
+ENGINE_LOGS_HELP = (
+    f"show the engines' output (vLLM, DeepSpeed, Ray, transformers) on this console instead of "
+    f"in <run>/{ENGINE_LOG}"
+)
 
 
 def ray_env() -> None:
@@ -29,14 +38,52 @@ def ray_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def init_ray(cfg: Config) -> None:
-    """Join RAY_ADDRESS when set; otherwise start an in-process cluster on 127.0.0.1."""
+def redirect_worker_output() -> None:
+    """Ray worker setup hook: append this process's stdout and stderr (file descriptors 1 and 2,
+    so C++ and subprocess output too) to the file named by RLVR_ENGINE_LOG."""
+    path = Path(os.environ[ENGINE_LOG_ENV])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def quiet_driver() -> None:
+    """Keep library chatter of this process off the console: it loads models with transformers
+    (progress bars) and imports DeepSpeed only for the actor classes (an accelerator note on
+    stdout). Call before either is imported; `--engine-logs` skips it."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.getLogger("DeepSpeed").disabled = True
+
+
+def worker_output_options(engine_log: Path | None) -> dict[str, Any]:
+    """`ray.init` options that send every worker's output to `engine_log` and keep Ray's own
+    notes off the driver's console; with None, Ray's default: worker lines on the console."""
+    if engine_log is None:
+        return {"log_to_driver": True}
+    return {
+        "log_to_driver": False,
+        "logging_level": logging.WARNING,
+        "runtime_env": {
+            "env_vars": {ENGINE_LOG_ENV: str(engine_log.resolve())},
+            "worker_process_setup_hook": "workflows.cli.redirect_worker_output",
+        },
+    }
+
+
+def init_ray(cfg: Config, engine_log: Path | None = None) -> None:
+    """Join RAY_ADDRESS when set; otherwise start an in-process cluster on 127.0.0.1.
+
+    `engine_log`: the file that receives the actors' output (None: the console, as Ray does).
+    """
     import ray
 
     from actors.controller import NAMESPACE
 
+    output = worker_output_options(engine_log)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(namespace=NAMESPACE, log_to_driver=True)
+        ray.init(namespace=NAMESPACE, **output)
         cfg.check_cpus(ray.cluster_resources().get("CPU", 0.0))
     else:
         cpus = os.cpu_count() or 1
@@ -46,10 +93,21 @@ def init_ray(cfg: Config) -> None:
             namespace=NAMESPACE,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
+            **output,
         )
 
 
+def announce_engine_log(run_path: Path) -> Path:
+    """The run's engine log, named on the console so that the user knows where to look."""
+    path = run_path / ENGINE_LOG
+    print(f"rlvr: engine logs (vLLM, DeepSpeed, Ray workers) go to {path}", file=sys.stderr)
+    return path
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    quiet = not (args.engine_logs or args.in_process)  # in-process, the engines run right here
+    if quiet:
+        quiet_driver()
     from workflows.train import load_run_config, prepare, run_path_for, train
 
     if args.resume:
@@ -61,7 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.set)
         run_path = run_path_for(cfg)
     prepared = prepare(cfg)  # bad models or data fail here, before Ray or any actor starts
-    init_ray(cfg)
+    init_ray(cfg, announce_engine_log(run_path) if quiet else None)
     summary = train(
         cfg, run_path, resume=bool(args.resume), use_actors=not args.in_process, prepared=prepared
     )
@@ -98,12 +156,14 @@ def demo_run_path(cfg: Config, overwrite: bool) -> Path:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if not args.engine_logs:
+        quiet_driver()
     from workflows.train import prepare, train
 
     cfg = load_config(args.config or DEMO_CONFIG, args.set)
     run_path = demo_run_path(cfg, args.overwrite)
     prepared = prepare(cfg)
-    init_ray(cfg)
+    init_ray(cfg, None if args.engine_logs else announce_engine_log(run_path))
     summary = train(cfg, run_path, prepared=prepared)
     print(format_before_after(summary))
     from workflows.plot import plot_run
@@ -249,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--in-process", action="store_true", help="run the workers in this process (debugging)"
     )
+    t.add_argument("--engine-logs", action="store_true", help=ENGINE_LOGS_HELP)
     t.set_defaults(fn=cmd_train)
 
     d = sub.add_parser(
@@ -261,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="delete an earlier run of the same name (default: run as NAME-2, NAME-3, ...)",
     )
+    d.add_argument("--engine-logs", action="store_true", help=ENGINE_LOGS_HELP)
     d.set_defaults(fn=cmd_demo)
 
     pl = sub.add_parser("plot", help="write PNG curves of a run")
