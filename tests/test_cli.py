@@ -156,3 +156,23 @@ def test_actor_output_reaches_the_engine_log_not_the_console(tmp_path):
     assert "actor warns" not in done.stdout + done.stderr
     text = log.read_text()
     assert "actor says hello" in text and "actor warns" in text
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("vllm", {"kv_cache_gib": 0.5}), ("hf", None)])
+def test_calibrate_sizes_the_vllm_kv_cache(backend, expected, monkeypatch):
+    """Left to size itself, vLLM on CPU claims 90% of the memory and refuses to start when other
+    processes hold more than a tenth of it."""
+    import workflows.calibrate
+
+    seen = {}
+
+    def fake_run_calibrate(*args, **kwargs):
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(workflows.calibrate, "run_calibrate", fake_run_calibrate)
+    argv = ["calibrate", "--checkpoint", "tiny", "--data", "configs/tiny.yaml"]
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--backend", backend, "--kv-cache-gib", "0.5"])
+    assert seen["backend_kwargs"] == expected
+    assert cli.main([*argv, "--kv-cache-gib", "0"]) == 2

@@ -216,8 +216,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for name in ("k", "max_tokens", "m"):
         if getattr(args, name) < 1:
             raise ConfigError(f"invalid calibration input: --{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise ConfigError("invalid calibration input: need --temperature >= 0, 0 < --top-p <= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.kv_cache_gib <= 0:
+        raise ConfigError(
+            "invalid calibration input: need --temperature >= 0, 0 < --top-p <= 1, --kv-cache-gib > 0"
+        )
     path, cal = run_calibrate(
         args.checkpoint,
         args.data,
@@ -228,6 +230,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         seed=args.seed,
         alphas=args.alpha,
         max_model_len=args.max_model_len,
+        backend_kwargs={"kv_cache_gib": args.kv_cache_gib} if args.backend == "vllm" else None,
         k=args.k,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -347,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--max-model-len", type=int, default=1024)
+    c.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=1.0,
+        help="vLLM's KV cache size (without it vLLM on CPU claims 90%% of the memory)",
+    )
     c.add_argument("--cal-fraction", type=float, default=0.2, help="CAL share of the data")
     c.add_argument("--seed", type=int, default=42, help="CAL split and sampling seed")
     c.add_argument("--m", type=int, default=15, help="grid size")
