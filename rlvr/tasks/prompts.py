@@ -1,4 +1,4 @@
-"""Render a problem into prompt token ids through the tokenizer's chat template."""
+"""Render a problem into prompt token ids: through the tokenizer's chat template, or as raw text."""
 
 from __future__ import annotations
 
@@ -9,22 +9,40 @@ from rlvr.tasks.base import Problem
 DEFAULT_INSTRUCTION = "Put your final answer in \\boxed{}."
 
 
+def prompt_text(problem: Problem, instruction: str = DEFAULT_INSTRUCTION) -> str:
+    """The prompt's text: the problem followed by the instruction, whose trailing whitespace is
+    kept (a raw prompt may end in the newline after which the answer starts)."""
+    return f"{problem.prompt} {instruction}".lstrip() if instruction else problem.prompt
+
+
 def prompt_messages(
     problem: Problem, instruction: str = DEFAULT_INSTRUCTION
 ) -> list[dict[str, str]]:
-    """The chat turns of a prompt: one user turn, the problem followed by the instruction."""
-    content = f"{problem.prompt} {instruction}".strip() if instruction else problem.prompt
-    return [{"role": "user", "content": content}]
+    """The chat turns of a prompt: one user turn holding `prompt_text`."""
+    return [{"role": "user", "content": prompt_text(problem, instruction)}]
 
 
 def render_prompt(
-    tokenizer: Any, problem: Problem, instruction: str = DEFAULT_INSTRUCTION
+    tokenizer: Any,
+    problem: Problem,
+    instruction: str = DEFAULT_INSTRUCTION,
+    chat_template: bool = True,
 ) -> list[int]:
-    """Token ids of the chat-formatted prompt, ending where the assistant's answer starts.
+    """Token ids of the prompt, ending where the answer starts.
 
-    `tokenizer` is a transformers tokenizer with a chat template; generation backends and the
-    trainer take these ids as they are, so every component sees the same prompt tokens.
+    `chat_template` (task.chat_template) renders one user turn through the tokenizer's chat
+    template with the assistant's turn opened; otherwise the raw `prompt_text`, with only the
+    special tokens the tokenizer adds to plain text (a BOS where it has one), as DRO trains
+    (arXiv:2506.13351, App. F.2) and as a base model without a template needs. Generation
+    backends and the trainer take these ids as they are, so every component sees the same tokens.
     """
+    if not chat_template:
+        return [int(i) for i in tokenizer(prompt_text(problem, instruction))["input_ids"]]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer of {tokenizer.name_or_path or 'this model'} has no chat template; "
+            "set task.chat_template=false to render raw prompts"
+        )
     ids = tokenizer.apply_chat_template(
         prompt_messages(problem, instruction),
         add_generation_prompt=True,

@@ -1,11 +1,14 @@
-"""Prompt rendering: the chat template turns a problem into the exact token ids generation sees."""
+"""Prompt rendering: the chat template (or the raw text) turns a problem into the exact token ids
+generation sees."""
+
+import copy
 
 import pytest
 from transformers import AutoTokenizer
 
 from rlvr.models.tiny import build_tiny_model
 from rlvr.tasks import ArithmeticTask, Problem
-from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, prompt_messages, render_prompt
+from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, prompt_messages, prompt_text, render_prompt
 
 PROBLEM = Problem(id="p", prompt="Compute 2 + 3.", answer="5")
 
@@ -37,3 +40,24 @@ def test_render_prompt_is_the_chat_template_as_plain_ints(tokenizer):
     )["input_ids"]
     assert ids == expected
     assert render_prompt(tokenizer, PROBLEM, "Box it.") != ids
+
+
+def test_raw_rendering_is_the_prompt_text_without_chat_markup(tokenizer):
+    ids = render_prompt(tokenizer, PROBLEM, chat_template=False)
+    assert type(ids) is list and all(type(i) is int for i in ids)
+    assert tokenizer.decode(ids) == "Compute 2 + 3. Put your final answer in \\boxed{}."
+    assert ids == tokenizer(prompt_text(PROBLEM))["input_ids"]
+    assert not set(ids) & set(tokenizer.all_special_ids)  # the tiny tokenizer adds no BOS
+    assert render_prompt(tokenizer, PROBLEM, "Box it.", chat_template=False) != ids
+    newline = render_prompt(tokenizer, PROBLEM, "Box it.\n", chat_template=False)
+    assert tokenizer.decode(newline) == "Compute 2 + 3. Box it.\n"
+
+
+def test_chat_rendering_without_a_template_names_the_flag(tokenizer):
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="task.chat_template=false"):
+        render_prompt(bare, PROBLEM)
+    assert render_prompt(bare, PROBLEM, chat_template=False) == render_prompt(
+        tokenizer, PROBLEM, chat_template=False
+    )
