@@ -1,6 +1,6 @@
 """Supervised warm-up on reference solutions, so RL on a freshly built model starts above zero.
 
-Loss on the response tokens only (prompt rendered by the chat template, then the solution and EOS).
+Loss on the response tokens only (prompt rendered as the task renders it, then the solution and EOS).
 Cached by a content hash of (model files, problems, hyperparameters): a repeat call returns at once.
 """
 
@@ -58,12 +58,15 @@ def sft_warmup(
     seed: int = 0,
     batch_size: int = 16,
     instruction: str = DEFAULT_INSTRUCTION,
+    chat_template: bool = True,
 ) -> Path:
     """Fine-tune `model_dir` on `problems`' reference solutions; returns `out_dir`.
 
     Plain torch AdamW on CPU, `steps` steps of `batch_size` problems drawn with `seed`, a short
-    linear warm-up then linear decay of `lr`. The result is an HF directory (model + tokenizer);
-    if `out_dir` already holds the result for the same inputs it is returned untouched.
+    linear warm-up then linear decay of `lr`. Prompts are rendered as RL will render them
+    (`chat_template`, task.chat_template), so the warm-up teaches the format RL samples in. The
+    result is an HF directory (model + tokenizer); if `out_dir` already holds the result for the
+    same inputs it is returned untouched.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -78,6 +81,7 @@ def sft_warmup(
         "seed": seed,
         "batch_size": batch_size,
         "instruction": instruction,
+        "chat_template": chat_template,
     }
     fingerprint = _fingerprint(model_dir, problems, params)
     marker = out / MARKER
@@ -91,7 +95,7 @@ def sft_warmup(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     examples = [
         (
-            render_prompt(tokenizer, p, instruction),
+            render_prompt(tokenizer, p, instruction, chat_template),
             tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [eos],
         )
         for p in problems
@@ -140,6 +144,7 @@ def greedy_accuracy(
     instruction: str = DEFAULT_INSTRUCTION,
     max_new_tokens: int = 64,
     batch_size: int = 32,
+    chat_template: bool = True,
 ) -> float:
     """Fraction of `problems` whose greedy transformers completion boxes the gold answer.
 
@@ -155,7 +160,7 @@ def greedy_accuracy(
     correct = 0
     for start in range(0, len(problems), batch_size):
         chunk = problems[start : start + batch_size]
-        prompts = [render_prompt(tokenizer, p, instruction) for p in chunk]
+        prompts = [render_prompt(tokenizer, p, instruction, chat_template) for p in chunk]
         width = max(map(len, prompts))
         # Left padding keeps every prompt's last token at the same position for generate().
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])

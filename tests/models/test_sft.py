@@ -1,4 +1,5 @@
-"""SFT warm-up: loss on response tokens only, memorizes what it is shown, cached by content."""
+"""SFT warm-up: loss on response tokens only, memorizes what it is shown (after chat-formatted or
+raw prompts), cached by content."""
 
 import json
 
@@ -61,6 +62,16 @@ def test_fresh_model_scores_zero_and_warm_up_learns_the_solution(tiny, memorized
     assert record["steps"] == 40 and record["final_loss"] < 0.05
 
 
+def test_raw_prompts_warm_up_for_raw_prompts(tiny, tmp_path):
+    """With task.chat_template false the warm-up teaches the answer after the raw prompt."""
+    raw = sft_warmup(
+        tiny, [PROBLEM], tmp_path / "raw", steps=40, lr=3e-3, batch_size=2, chat_template=False
+    )
+    assert greedy_accuracy(tiny, [PROBLEM], max_new_tokens=24, chat_template=False) == 0.0
+    assert greedy_accuracy(raw, [PROBLEM], max_new_tokens=24, chat_template=False) == 1.0
+    assert json.loads((raw / MARKER).read_text())["chat_template"] is False
+
+
 def test_cached_by_content(tiny, memorized):
     before = (memorized / "model.safetensors").stat().st_mtime_ns
     again = sft_warmup(tiny, [PROBLEM], memorized, steps=40, lr=3e-3, batch_size=2, seed=0)
@@ -72,7 +83,7 @@ def test_other_inputs_are_not_served_from_cache(tiny, tmp_path):
     out = sft_warmup(tiny, [PROBLEM], tmp_path / "s", steps=2, lr=1e-3, batch_size=2, seed=0)
     first = json.loads((out / MARKER).read_text())["fingerprint"]
     other = Problem(id="q", prompt="Compute 1 + 1.", answer="2", solution="\\boxed{2}")
-    for kwargs in ({"steps": 3}, {"seed": 1}, {"problems": [other]}):
+    for kwargs in ({"steps": 3}, {"seed": 1}, {"problems": [other]}, {"chat_template": False}):
         args = {"problems": [PROBLEM], "steps": 2, "seed": 0, **kwargs}
         sft_warmup(tiny, out_dir=out, lr=1e-3, batch_size=2, **args)
         assert json.loads((out / MARKER).read_text())["fingerprint"] != first
