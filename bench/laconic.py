@@ -1,9 +1,10 @@
 """LACONIC vs GRPO side by side: held-out accuracy, response length against the budget, tokens.
 
-The start policy is the tiny model SFT-warmed on verbose traces (0-3 re-check lines per step), so
-it starts well over budget and can still answer correctly when short. GRPO runs first; the budget
-B is half its starting held-out length; then LACONIC and its two ablations (a fixed lambda, the
-signed linear cost) run with the same seeds, data and steps.
+Every variant is configs/tiny-laconic.yaml (the tiny model SFT-warmed on verbose traces, 0-3
+re-check lines per step, so it starts well over budget and can still answer correctly when short;
+per-sequence token-mean loss) with LACONIC switched off for GRPO. GRPO runs first; the budget B is
+half its starting held-out length; then LACONIC and its two ablations (a fixed lambda, the signed
+linear cost) run with the same seeds, data and steps.
 
     .venv/bin/python bench/laconic.py --steps 20
 """
@@ -20,14 +21,10 @@ from workflows.cli import ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent
-BASE = [
-    "task.difficulty.verbosity=3",
-    "generation.max_tokens=128",
-    "task.n_test=32",
-    "run.eval_every=0",
-    "run.keep_last=1",
-]
+PRESET = ROOT / "configs" / "tiny-laconic.yaml"
+BASE = ["run.eval_every=0", "run.keep_last=1"]
 ON = ["algorithm.laconic.enabled=true", "algorithm.laconic.lam_max=auto"]
+OFF = ["algorithm.laconic.enabled=false"]
 
 
 def variants(budget: int, eta: float) -> dict[str, list[str]]:
@@ -48,7 +45,7 @@ def run_one(name: str, overrides: list[str], out: Path) -> dict:
     from rlvr.config import load_config
     from workflows.train import prepare, train
 
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", [*BASE, *overrides, f"run.name={name}"])
+    cfg = load_config(PRESET, [*BASE, *overrides, f"run.name={name}"])
     summary = train(cfg, out / name, prepared=prepare(cfg))
     metrics = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
     summary["metrics"] = metrics
@@ -123,12 +120,12 @@ def main() -> None:
     from workflows.cli import init_ray
 
     common = [f"run.steps={args.steps}", f"run.seed={args.seed}"]
-    init_ray(load_config(ROOT / "configs" / "tiny.yaml", BASE))
+    init_ray(load_config(PRESET, BASE))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        results["grpo"] = run_one("grpo", common, Path(tmp))
+        results["grpo"] = run_one("grpo", [*common, *OFF], Path(tmp))
         budget = max(1, round(results["grpo"]["eval_before"]["eval_length_mean"] / 2))
         for name, overrides in variants(budget, args.eta).items():
             results[name] = run_one(name, [*common, *overrides], Path(tmp))
