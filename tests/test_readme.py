@@ -1,0 +1,195 @@
+"""README.md is executable: every command of its ```bash blocks is accepted by the code as written.
+
+`rlvr train` / `rlvr demo` lines load their config with their `--set` overrides exactly as the CLI
+does and run the CLI's pre-actor `prepare` (model, task, SFT warm-up: built once, then cached);
+other `rlvr`, `ray` and `bench/*.py` lines go through their own argument parsers; `make` targets
+are dry-run; every repository file the README names must exist. A README line no check knows
+fails, so a new example cannot go untested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlvr.config import apply_overrides, load_config
+from rlvr.serve_config import load_serve_config
+from workflows.cli import DEMO_CONFIG, build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
+REPO_PATH = re.compile(r"\b(?:configs|bench|notebooks)/[\w.-]+\.\w+")
+ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def commands(block: str) -> list[list[str]]:
+    """The block's commands as argument lists: continuations joined, comments and blanks dropped."""
+    lines = block.replace("\\\n", " ").splitlines()
+    return [words for line in lines if (words := shlex.split(line, comments=True))]
+
+
+def program(words: list[str]) -> tuple[str, list[str]]:
+    """(program name, its arguments), past leading VAR=value assignments and a `.venv/bin/`."""
+    while ENV_ASSIGNMENT.match(words[0]):
+        words = words[1:]
+    return Path(words[0]).name, words[1:]
+
+
+COMMANDS = [words for block in BLOCKS for words in commands(block)]
+
+
+def marked(words: list[str]) -> Any:
+    """A command as a test parameter; SmolLM2 runs are `slow` (unpacking it takes half a minute,
+    once: it is cached)."""
+    name, args = program(words)
+    smollm2 = name == "rlvr" and any("smollm2" in a for a in args)
+    return pytest.param(words, marks=[pytest.mark.slow] if smollm2 else [])
+
+
+def parse_rlvr(argv: list[str]) -> argparse.Namespace:
+    """`rlvr`'s own parser on `argv`; a rejected line fails the test with argparse's message."""
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as err:
+        pytest.fail(f"rlvr rejects {shlex.join(argv)} (exit {err.code})")
+
+
+def check_rlvr(argv: list[str]) -> None:
+    """Parse; a training line also loads, validates and prepares its config as the CLI would."""
+    from workflows.train import prepare
+
+    args = parse_rlvr(argv)
+    if args.command in ("train", "demo") and not getattr(args, "resume", None):
+        prepare(load_config(args.config or DEMO_CONFIG, args.set))
+    elif args.command in ("filter", "rubrics"):
+        load_config(args.config, args.set)
+    elif args.command == "serve":
+        load_serve_config(args.config, args.set)
+    elif args.command == "calibrate":
+        assert Path(args.data).is_file(), f"--data {args.data} is not a file"
+
+
+def check_ray(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's click parser on `argv`; `ray job submit -- ENTRYPOINT` checks the entrypoint too."""
+    import click
+    from ray.scripts.scripts import cli
+
+    command, rest = cli, argv
+    while isinstance(command, click.Group) and rest and rest[0] in command.commands:
+        command, rest = command.commands[rest[0]], rest[1:]
+    try:
+        ctx = command.make_context(command.name, list(rest))
+    except click.ClickException as err:
+        pytest.fail(f"ray rejects {shlex.join(argv)}: {err.format_message()}")
+    entrypoint = ctx.params.get("entrypoint")
+    if entrypoint:
+        check(list(entrypoint), monkeypatch)
+
+
+class Parsed(Exception):
+    """Raised in place of running a script once its arguments have parsed."""
+
+
+def check_script(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run a bench script up to its `parse_args` (the arguments must parse), and no further."""
+    script = ROOT / argv[0]
+    assert script.is_file(), f"{argv[0]} does not exist"
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        parse_args(self, args, namespace)
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    monkeypatch.setattr(sys, "argv", [str(script), *argv[1:]])
+    monkeypatch.syspath_prepend(str(script.parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as err:
+        pytest.fail(f"{argv[0]} rejects {shlex.join(argv[1:])} (exit {err.code})")
+    except Parsed:
+        return
+    pytest.fail(f"{argv[0]} never parsed its arguments")
+
+
+def check_make(targets: list[str]) -> None:
+    """A dry run (`make -n`): each target exists and its recipe expands."""
+    done = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), *targets], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def check(words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dispatch one README command to the check of its program."""
+    name, args = program(words)
+    if name == "rlvr":
+        check_rlvr(args)
+    elif name == "ray":
+        check_ray(args, monkeypatch)
+    elif name == "make":
+        check_make(args)
+    elif name == "python":
+        check_script(args, monkeypatch)
+    elif name == "export":
+        assert all(ENV_ASSIGNMENT.match(a) for a in args), shlex.join(words)
+    else:
+        pytest.fail(f"no check for the README command {shlex.join(words)}; add one")
+
+
+@pytest.mark.parametrize("words", [marked(w) for w in COMMANDS], ids=lambda w: shlex.join(w)[:80])
+def test_readme_command(words, monkeypatch):
+    monkeypatch.chdir(ROOT)  # README commands run from the repository root
+    assert not [w for w in words if re.fullmatch(r"<[^>]*>", w)], "placeholders do not run"
+    check(words, monkeypatch)
+
+
+def test_readme_blocks_are_bash():
+    for block in BLOCKS:
+        done = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert done.returncode == 0, f"{done.stderr}\n{block}"
+
+
+def test_readme_names_existing_files():
+    missing = sorted({p for p in REPO_PATH.findall(README) if not (ROOT / p).exists()})
+    assert not missing
+
+
+def test_readme_override_examples_name_real_keys():
+    """Inline `a.b=c` examples (e.g. `algorithm.duet.allocate=false`) name existing keys."""
+    examples = re.findall(r"`([a-z_]+(?:\.[a-z_0-9]+)+=[^`\s]+)`", README)
+    assert examples
+    apply_overrides({}, examples)
+
+
+def test_readme_serves_what_it_calibrates(monkeypatch):
+    """The calibration lands where the served config reads it, and its answers fit the context."""
+    monkeypatch.chdir(ROOT)
+    parsed = [parse_rlvr(program(w)[1]) for w in COMMANDS if program(w)[0] == "rlvr"]
+    (cal,) = [a for a in parsed if a.command == "calibrate"]
+    (serve,) = [a for a in parsed if a.command == "serve"]
+    cfg = load_serve_config(serve.config, serve.set)
+    if cfg.csa.calibration is None:
+        assert cal.out is None and Path(cal.checkpoint) == Path(cfg.model.adapter or cfg.model.path)
+    else:
+        assert Path(cal.out) == Path(cfg.csa.calibration)
+    assert cal.max_tokens < cfg.generation.max_model_len
+
+
+def test_rlvr_entry_point_runs():
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "rlvr"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "train" in done.stdout and "serve" in done.stdout
