@@ -243,6 +243,7 @@ def train_compare(args: argparse.Namespace) -> None:
                         settings,
                         args.eval_backend,
                         engine,
+                        chat_template=cfg.task.chat_template,
                     )
     finally:
         ray.shutdown()

@@ -108,6 +108,11 @@ class TaskConfig(Section):
     instruction: str = Field(
         "Put your final answer in \\boxed{}.", description="Appended to every prompt."
     )
+    chat_template: bool = Field(
+        True,
+        description="Render prompts through the tokenizer's chat template; false: the raw text "
+        "(DRO trains so; a base model without a template needs it).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TaskConfig:

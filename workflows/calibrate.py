@@ -64,13 +64,15 @@ def with_adapter(model_dir: Path, adapter: str | None) -> Path:
     return merge_adapter(model_dir, adapter_dir)
 
 
-def load_cal_problems(data: str) -> tuple[list[Problem], str, dict[str, Any]]:
-    """(problems, instruction, source) from a dataset file or a training preset's held-out split."""
+def load_cal_problems(data: str) -> tuple[list[Problem], str, bool, dict[str, Any]]:
+    """(problems, instruction, chat_template, source) from a dataset file (chat-formatted prompts)
+    or a training preset's held-out split (prompts rendered as the preset trains)."""
     if data.endswith((".yaml", ".yml")):
         cfg = load_config(data)
         _, test = load_task(cfg.task)
-        return test, cfg.task.instruction, {"preset": data, "split": "test"}
-    return load_problems(data), DEFAULT_INSTRUCTION, {"file": data}
+        task = cfg.task
+        return test, task.instruction, task.chat_template, {"preset": data, "split": "test"}
+    return load_problems(data), DEFAULT_INSTRUCTION, True, {"file": data}
 
 
 def cal_split(problems: Sequence[Problem], fraction: float, seed: int = CAL_SEED) -> list[Problem]:
@@ -91,6 +93,7 @@ def calibrate(
     top_p: float = 1.0,
     max_tokens: int = 256,
     instruction: str = DEFAULT_INSTRUCTION,
+    chat_template: bool = True,
     seed: int = CAL_SEED,
     m: int = 15,
     spacing: str = "geometric",
@@ -99,8 +102,9 @@ def calibrate(
 ) -> Calibration:
     """Sample, vote, verify and fit: the calibration of `backend`'s model on `problems`.
 
-    K samples per problem at (temperature, top_p, max_tokens), seeded per problem; the verdict is
-    on the majority answer (the released object), and a problem with no extractable answer fails.
+    K samples per problem at (temperature, top_p, max_tokens), seeded per problem, on prompts
+    rendered with `instruction` (raw text unless `chat_template`); the verdict is on the majority
+    answer (the released object), and a problem with no extractable answer fails.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -111,7 +115,7 @@ def calibrate(
         chunk = problems[start : start + batch_size]
         requests = [
             GenerationRequest(
-                prompt_ids=render_prompt(tokenizer, p, instruction),
+                prompt_ids=render_prompt(tokenizer, p, instruction, chat_template),
                 n=k,
                 request_id=p.id,
                 seed=seed * 1_000_003 + start + i,
@@ -173,7 +177,7 @@ def run_calibrate(
     except FileNotFoundError as err:
         raise ConfigError(f"invalid calibration input: --adapter: {err}") from None
     try:
-        problems, preset_instruction, source = load_cal_problems(data)
+        problems, preset_instruction, chat_template, source = load_cal_problems(data)
         cal = cal_split(problems, cal_fraction, seed)
     except (ValueError, ConfigError) as err:
         raise ConfigError(f"invalid calibration input: --data: {err}") from None
@@ -190,11 +194,18 @@ def run_calibrate(
             engine,
             cal,
             instruction=instruction if instruction is not None else preset_instruction,
+            chat_template=chat_template,
             seed=seed,
             **fit_kwargs,
         )
     finally:
         engine.close()
     result.checkpoint = checkpoint_fingerprint(model_dir)
-    result.source = {**source, "cal_fraction": cal_fraction, "seed": seed, "n_data": len(problems)}
+    result.source = {
+        **source,
+        "chat_template": chat_template,
+        "cal_fraction": cal_fraction,
+        "seed": seed,
+        "n_data": len(problems),
+    }
     return result.save(target, alphas), result

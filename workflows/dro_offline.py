@@ -67,7 +67,7 @@ def score_queries(
         chunk = problems[start : start + FILTER_CHUNK]
         requests = [
             GenerationRequest(
-                render_prompt(tokenizer, p, cfg.task.instruction),
+                render_prompt(tokenizer, p, cfg.task.instruction, cfg.task.chat_template),
                 n=d.filter.group_size,
                 request_id=p.id,
                 seed=cfg.run.seed + FILTER_SEED_STRIDE * (start + i),

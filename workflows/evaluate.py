@@ -282,6 +282,7 @@ def evaluate_tandem(
     settings: EvalSettings,
     backend: str = "vllm",
     backend_kwargs: dict[str, Any] | None = None,
+    chat_template: bool = True,
 ) -> dict[str, Any]:
     """All Tandem evaluation metrics of the senior in `senior_dir` against the junior in
     `junior_dir` on `benchmarks` (name -> held-out problems); returns a JSON-ready dict.
@@ -289,14 +290,15 @@ def evaluate_tandem(
     Solo samples of both models (pass@k; the junior's are the drift reference), handoff chains
     at `settings.step_boundary` (strict alternation and Bernoulli(p) turns, senior first, shared
     budget), junior CE and overlap on the senior's solo responses, marginal drift of the senior's
-    solo tokens from the junior's. Macro values carry bootstrap SEs over problems.
+    solo tokens from the junior's. Macro values carry bootstrap SEs over problems. Prompts are
+    rendered as the run trained (`chat_template`: task.chat_template).
     """
     from transformers import AutoConfig, AutoTokenizer
 
     check_same_tokenizer(senior_dir, junior_dir)
     tokenizer = AutoTokenizer.from_pretrained(senior_dir)
     problems = [p for ps in benchmarks.values() for p in ps]
-    prompts = [render_prompt(tokenizer, p, instruction) for p in problems]
+    prompts = [render_prompt(tokenizer, p, instruction, chat_template) for p in problems]
     golds = [p.answer for p in problems for _ in range(settings.n)]
     kwargs = dict(backend_kwargs or {})
     senior = make_backend(backend, senior_dir, **kwargs)
@@ -491,6 +493,7 @@ def run_evaluate(
         eval_settings,
         backend,
         kwargs,
+        chat_template=cfg.task.chat_template,
     )
     report["checkpoint"] = checkpoint
     target = Path(out) if out else (run_dir or senior_dir) / f"tandem_eval-{path.name}"
