@@ -285,22 +285,22 @@ class DroStep:
         return batch, stats
 
     def evaluate(self, rollouts: Rollouts) -> dict[str, float]:
-        """Held-out reference certainty after the policy's own CoT: mean Avg Prob per rollout, and
-        mean R3 when each query has several samples (the paper's validation reward, A19)."""
+        """Held-out reference certainty after the policy's own CoTs, a group of rollouts per
+        query: mean Avg Prob per rollout, and mean R3 per group, the validation reward that
+        picks the best checkpoint (arXiv:2506.13351, App. F.2)."""
         inputs = scoring_inputs(rollouts, self.references, self.tokens)
         logps = self.scorer.run("score_logprobs", inputs.sequences, inputs.positions)
-        record = {"eval_ref_prob": float(np.mean([np.exp(row).mean() for row in logps]))}
-        groups = group_rows(rollouts.group_ids)
-        if min(len(rows) for rows in groups.values()) >= 2:
-            d = self.settings
-            r3 = [
-                dro.r3_rewards(
-                    np.exp(np.asarray([logps[i] for i in rows])), d.omega, d.clip_low, d.clip_high
-                ).mean()
-                for rows in groups.values()
-            ]
-            record["eval_r3"] = float(np.mean(r3))
-        return record
+        d = self.settings
+        r3 = [
+            dro.r3_rewards(
+                np.exp(np.asarray([logps[i] for i in rows])), d.omega, d.clip_low, d.clip_high
+            ).mean()
+            for rows in group_rows(rollouts.group_ids).values()
+        ]
+        return {
+            "eval_ref_prob": float(np.mean([np.exp(row).mean() for row in logps])),
+            "eval_r3": float(np.mean(r3)),
+        }
 
 
 def _accuracy_stats(rewards: np.ndarray, correct: np.ndarray) -> dict[str, float]:

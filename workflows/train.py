@@ -49,6 +49,20 @@ def sampling_seed(run_seed: int, step: int) -> int:
     return (run_seed * 1_000_003 + step * 7919) % (2**31 - 1)
 
 
+def best_metric(cfg: Config) -> tuple[str, bool]:
+    """The held-out metric that picks the best checkpoint, and whether higher is better.
+
+    Tandem selects on the accuracy of tandem rollouts, not solo ones (arXiv:2606.28166, section
+    5.1); DRO on the validation reward, held-out mean R3 (arXiv:2506.13351, App. F.2); every other
+    method on held-out accuracy.
+    """
+    if cfg.algorithm.tandem.enabled:
+        return "eval_tandem_accuracy", True
+    if cfg.algorithm.dro.enabled:
+        return "eval_r3", True
+    return "eval_accuracy", True
+
+
 @dataclass
 class Trainer:
     """Drives the step loop for one run directory."""
@@ -69,9 +83,11 @@ class Trainer:
         self._prompt_cache: dict[str, list[int]] = {}
 
     def prompt_ids(self, problem: Problem) -> list[int]:
+        """The problem's prompt ids as every pass renders them (task.instruction, chat_template)."""
         if problem.id not in self._prompt_cache:
+            task = self.cfg.task
             self._prompt_cache[problem.id] = render_prompt(
-                self.tokenizer, problem, self.cfg.task.instruction
+                self.tokenizer, problem, task.instruction, task.chat_template
             )
         return self._prompt_cache[problem.id]
 
@@ -112,16 +128,21 @@ class Trainer:
         rollouts.statuses = [s for _, s in scored]
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        """Held-out mean@k accuracy and mean response length."""
+        """Held-out mean@k accuracy and mean response length of the policy alone, the method's
+        validation metric beside them, and the name of the one that picks the best checkpoint.
+
+        Tandem adds the accuracy of tandem rollouts (the frozen junior co-writing as in training,
+        same sampling as the solo pass); DRO the held-out reference certainty of `group_size`
+        rollouts per query drawn with the training sampler (mean R3, `DroStep.evaluate`).
+        """
         g = self.cfg.generation
         params = SamplingParams(
             temperature=g.eval_temperature, top_p=1.0, max_tokens=g.max_tokens, seed=EVAL_SEED
         )
         k = g.eval_samples
+        n = {p.id: k for p in self.test_problems}
         t0 = time.perf_counter()
-        rollouts = self.generate(
-            self.test_problems, {p.id: k for p in self.test_problems}, params, step
-        )
+        rollouts = self.generate(self.test_problems, n, params, step)
         self.score(rollouts)
         record = {
             "step": step,
@@ -130,10 +151,22 @@ class Trainer:
             "eval_length_mean": float(np.mean(rollouts.lengths)),
             "eval_problems": len(self.test_problems),
             "eval_samples": k,
-            "eval_seconds": time.perf_counter() - t0,
         }
+        if self.cfg.algorithm.tandem.enabled:
+            tandem = self.generate(self.test_problems, n, params, step, tandem=True)
+            self.score(tandem)
+            record["eval_tandem_accuracy"] = float(np.mean(tandem.rewards >= 1.0))
+            record["eval_tandem_length_mean"] = float(np.mean(tandem.lengths))
         if self.dro is not None:
-            record.update(self.dro.evaluate(rollouts))
+            groups = {p.id: g.group_size for p in self.test_problems}
+            train_params = SamplingParams(
+                temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens, seed=EVAL_SEED
+            )
+            record.update(
+                self.dro.evaluate(self.generate(self.test_problems, groups, train_params, step))
+            )
+        record["eval_seconds"] = time.perf_counter() - t0
+        record["best_metric"] = best_metric(self.cfg)[0]
         self.run.append_eval(record)
         return record
 
@@ -364,19 +397,32 @@ class Trainer:
             self.comps.policy.run("save_state", str(d / "policy"), step=step)
             state = self.comps.controller.run("state_dict", step=step)
             atomic_write_text(d / "controller.json", json.dumps(state))
-            atomic_write_text(
-                d / "progress.json", json.dumps({"step": step, "best_step": best_step})
-            )
+            progress = {
+                "step": step,
+                "best_step": best_step,
+                "best_metric": best_metric(self.cfg)[0],
+            }
+            atomic_write_text(d / "progress.json", json.dumps(progress))
         self.run.prune(self.cfg.run.keep_last, keep={best_step} if best_step is not None else set())
 
     def restore(self, step: int) -> int | None:
-        """Load the committed state of step `step`; returns the best step recorded there."""
+        """Load the committed state of step `step`; returns the best step recorded there.
+
+        The best step was picked by the metric recorded with it, which must be this run's.
+        """
         d = self.run.step_dir(step)
+        progress = json.loads((d / "progress.json").read_text())
+        key = best_metric(self.cfg)[0]
+        if progress.get("best_metric", key) != key:
+            raise ConfigError(
+                f"{self.run.path} picked its best checkpoint by {progress['best_metric']}, "
+                f"this configuration by {key}"
+            )
         self.comps.policy.run("load_state", str(d / "policy"))
         self.comps.controller.run(
             "load_state_dict", json.loads((d / "controller.json").read_text())
         )
-        return json.loads((d / "progress.json").read_text())["best_step"]
+        return progress["best_step"]
 
 
 def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
@@ -405,6 +451,18 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
         raise ConfigError("invalid config: task: the training set is empty")
     if not test_problems:
         raise ConfigError("invalid config: task: the held-out set is empty")
+    from transformers import AutoTokenizer
+
+    try:
+        task = cfg.task
+        render_prompt(
+            AutoTokenizer.from_pretrained(model_dir),
+            train_problems[0],
+            task.instruction,
+            task.chat_template,
+        )
+    except ValueError as err:
+        raise ConfigError(f"invalid config: {err}") from None
     if cfg.model.sft_warmup_steps:
         # one cache entry per (model, steps, task): switching presets never rebuilds another's
         task_key = hashlib.sha1(
@@ -418,6 +476,7 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
             out,
             steps=cfg.model.sft_warmup_steps,
             instruction=cfg.task.instruction,
+            chat_template=cfg.task.chat_template,
         )
     return model_dir, train_problems, test_problems
 
@@ -468,12 +527,13 @@ def train(
     trainer = Trainer(cfg, run, comps, tokenizer, train_problems, test_problems, dro=dro_step)
     writer = SummaryWriter(str(run.tb_dir), purge_step=start)
     try:
-        best_step, best_acc = None, -1.0
+        key, higher = best_metric(cfg)
+        best_step, best_value = None, None
         if last is not None:
             best_step = trainer.restore(last)
             trainer.sync_weights()
-            evals = {r["step"]: r["eval_accuracy"] for r in run.read_eval()}
-            best_acc = evals.get(best_step, -1.0) if best_step is not None else -1.0
+            evals = {r["step"]: r for r in run.read_eval()}
+            best_value = evals.get(best_step, {}).get(key)
         else:
             before = trainer.evaluate(step=-1)
             _log_scalars(writer, before, -1)
@@ -490,8 +550,8 @@ def train(
             if is_last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
                 ev = trainer.evaluate(step)
                 metrics.update(ev)
-                if ev["eval_accuracy"] > best_acc:
-                    best_acc, best_step = ev["eval_accuracy"], step
+                if best_value is None or (ev[key] > best_value if higher else ev[key] < best_value):
+                    best_value, best_step = ev[key], step
             trainer.persist(step, metrics, best_step)
             _log_scalars(writer, metrics, step)
             bar.set_postfix(
@@ -508,6 +568,7 @@ def train(
             "eval_before": next((e for e in evals if e["step"] == -1), None),
             "eval_after": evals[-1] if evals else None,
             "best_step": best_step,
+            "best_metric": key,
             "final_model": str(run.final_model),
         }
         atomic_write_text(run.path / "summary.json", json.dumps(summary, indent=2))

@@ -1,6 +1,6 @@
 """One DRO step on the actors with the tiny model and the keyword judge: R3 read on the rollout
 weights before the sync, rubric gates, the DRO loss, its metrics; the GeneratorActor (vLLM prompt
-log-probs) and the PolicyActor (forward pass) score alike."""
+log-probs) and the PolicyActor (forward pass) score alike; the held-out validation reward."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rlvr.generation import make_backend
 from rlvr.rundir import RunDir
 from workflows.components import policy_kwargs, start_components
 from workflows.dro_step import DroStep
-from workflows.train import Trainer, prepare
+from workflows.train import Trainer, best_metric, prepare
 
 # The integration suite's tiny task and sizes (tests/integration/conftest.py), so the SFT
 # warm-up is shared with its runs.
@@ -52,6 +52,7 @@ def dro_step_run(ray_cluster, tiny_config, tmp_path_factory):
         # after the step both actors hold the updated policy: score the same ids on each
         by_generator = comps.generator.run("score_logprobs", inputs.sequences, inputs.positions)
         by_policy = comps.policy.run("score_logprobs", inputs.sequences, inputs.positions)
+        trainer.evaluate(0)  # into out/run/eval.jsonl
         yield cfg, model_dir, metrics, rollouts, inputs, by_generator, by_policy, out
     finally:
         comps.shutdown()
@@ -106,3 +107,14 @@ def test_gates_loss_and_metrics(dro_step_run):
         assert metrics["train_skipped"] == 1
     kw = policy_kwargs(cfg, out)
     assert (kw["loss"], kw["kl_coef"], kw["rho_ent"]) == ("dro", 0.001, 0.4)
+
+
+def test_evaluate_reports_the_validation_reward_that_selects(dro_step_run):
+    """Held-out mean R3 over groups of training-sampled rollouts picks DRO's best checkpoint."""
+    cfg, *_, out = dro_step_run
+    [record] = RunDir(out / "run").read_eval()
+    assert record["best_metric"] == best_metric(cfg)[0] == "eval_r3"
+    d = cfg.algorithm.dro
+    assert d.clip_low <= record["eval_r3"] <= d.clip_high
+    assert 0 < record["eval_ref_prob"] < 1
+    assert 0 <= record["eval_accuracy"] <= 1 and record["eval_samples"] == 1

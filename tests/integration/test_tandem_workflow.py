@@ -1,6 +1,7 @@
 """Tandem end to end on the tiny model through the actors: the GeneratorActor co-writes every
 rollout with the frozen junior inside its vLLM engine, the driver logs the schedule metrics, and
-the PolicyActor trains on the senior's tokens only."""
+the PolicyActor trains on the senior's tokens only; held-out evaluation co-writes too, and the best
+checkpoint is the one with the best tandem accuracy."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ TANDEM = [
     "algorithm.laconic.enabled=false",
     "algorithm.tandem.enabled=true",
     "run.steps=2",
+    "run.eval_every=1",
 ]
 
 
@@ -39,3 +41,16 @@ def test_tandem_steps_through_the_actors(tmp_path, run_cli, tiny_train_args):
         counters = r["flags"]["tandem"]
         assert counters["redraws"] == counters["boundary_redraws"] + counters["cap_redraws"]
         assert counters["redraws"] <= r["length"]
+    evals = _lines(run / "eval.jsonl")
+    assert [e["step"] for e in evals] == [-1, 0, 1]
+    for e in evals:
+        assert e["best_metric"] == "eval_tandem_accuracy"
+        assert 0.0 <= e["eval_tandem_accuracy"] <= 1.0 and 0.0 <= e["eval_accuracy"] <= 1.0
+    best = max(evals[1:], key=lambda e: e["eval_tandem_accuracy"])  # the first of ties
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["best_step"], summary["best_metric"]) == (best["step"], "eval_tandem_accuracy")
+    progress = json.loads((run / "checkpoints" / "step_000001" / "progress.json").read_text())
+    assert (progress["best_step"], progress["best_metric"]) == (
+        best["step"],
+        "eval_tandem_accuracy",
+    )
