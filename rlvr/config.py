@@ -474,7 +474,9 @@ class RunConfig(Section):
         10, ge=0, description="Held-out evaluation every N steps (0: only at start and end)."
     )
     keep_last: int = Field(
-        2, gt=0, description="Step checkpoints to keep (the best by held-out accuracy is kept too)."
+        2,
+        gt=0,
+        description="Step checkpoints to keep (the best by the method's validation metric is kept too).",
     )
 
 
