@@ -37,7 +37,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
     ],
 )
 def test_best_metric_follows_the_method(preset, overrides, key):
-    assert best_metric(load_config(CONFIGS / preset, overrides)) == (key, True)
+    assert best_metric(load_config(CONFIGS / preset, overrides)) == key
 
 
 def test_resume_refuses_a_best_step_picked_by_another_metric(tmp_path):

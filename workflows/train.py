@@ -49,18 +49,18 @@ def sampling_seed(run_seed: int, step: int) -> int:
     return (run_seed * 1_000_003 + step * 7919) % (2**31 - 1)
 
 
-def best_metric(cfg: Config) -> tuple[str, bool]:
-    """The held-out metric that picks the best checkpoint, and whether higher is better.
+def best_metric(cfg: Config) -> str:
+    """The held-out metric that picks the best checkpoint (higher is better for every method).
 
     Tandem selects on the accuracy of tandem rollouts, not solo ones (arXiv:2606.28166, section
     5.1); DRO on the validation reward, held-out mean R3 (arXiv:2506.13351, App. F.2); every other
     method on held-out accuracy.
     """
     if cfg.algorithm.tandem.enabled:
-        return "eval_tandem_accuracy", True
+        return "eval_tandem_accuracy"
     if cfg.algorithm.dro.enabled:
-        return "eval_r3", True
-    return "eval_accuracy", True
+        return "eval_r3"
+    return "eval_accuracy"
 
 
 @dataclass
@@ -166,7 +166,7 @@ class Trainer:
                 self.dro.evaluate(self.generate(self.test_problems, groups, train_params, step))
             )
         record["eval_seconds"] = time.perf_counter() - t0
-        record["best_metric"] = best_metric(self.cfg)[0]
+        record["best_metric"] = best_metric(self.cfg)
         self.run.append_eval(record)
         return record
 
@@ -400,7 +400,7 @@ class Trainer:
             progress = {
                 "step": step,
                 "best_step": best_step,
-                "best_metric": best_metric(self.cfg)[0],
+                "best_metric": best_metric(self.cfg),
             }
             atomic_write_text(d / "progress.json", json.dumps(progress))
         self.run.prune(self.cfg.run.keep_last, keep={best_step} if best_step is not None else set())
@@ -412,7 +412,7 @@ class Trainer:
         """
         d = self.run.step_dir(step)
         progress = json.loads((d / "progress.json").read_text())
-        key = best_metric(self.cfg)[0]
+        key = best_metric(self.cfg)
         if progress.get("best_metric", key) != key:
             raise ConfigError(
                 f"{self.run.path} picked its best checkpoint by {progress['best_metric']}, "
@@ -527,7 +527,7 @@ def train(
     trainer = Trainer(cfg, run, comps, tokenizer, train_problems, test_problems, dro=dro_step)
     writer = SummaryWriter(str(run.tb_dir), purge_step=start)
     try:
-        key, higher = best_metric(cfg)
+        key = best_metric(cfg)
         best_step, best_value = None, None
         if last is not None:
             best_step = trainer.restore(last)
@@ -550,7 +550,7 @@ def train(
             if is_last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):
                 ev = trainer.evaluate(step)
                 metrics.update(ev)
-                if best_value is None or (ev[key] > best_value if higher else ev[key] < best_value):
+                if best_value is None or ev[key] > best_value:
                     best_value, best_step = ev[key], step
             trainer.persist(step, metrics, best_step)
             _log_scalars(writer, metrics, step)

@@ -305,7 +305,8 @@ class PolicyTrainer:
         """
         if batch.advantages is None:
             raise ValueError("train_step needs batch.advantages")
-        if int(self._all_reduce([batch.num_loss_tokens], "sum")[0]) == 0:
+        n_tokens = int(self._all_reduce([batch.num_loss_tokens], "sum")[0])
+        if n_tokens == 0:
             raise ValueError("batch has no loss tokens")
         parts = self._mini_batch_rows(len(batch))
         several = self.epochs * len(parts) > 1
@@ -344,7 +345,7 @@ class PolicyTrainer:
             for key in updates[0]
             if key != "tokens"
         }
-        out["tokens"] = int(self._all_reduce([batch.num_loss_tokens], "sum")[0])
+        out["tokens"] = n_tokens
         out["optimizer_steps"] = len(updates)
         out["updates"] = updates
         if threshold is not None:
@@ -406,7 +407,7 @@ class PolicyTrainer:
             old_logp = logp.detach() if on_policy else mb.old_logp
             seq_logp[start:stop] = _masked_row_sums(old_logp, mb.response_mask)
             token_weights = None
-            if mb.rollout_logp is not None:
+            if mb.rollout_logp is not None and (engine is not None or self.engine_is != "off"):
                 token_weights, engine_stats = grpo.engine_is_weights(
                     old_logp, mb.rollout_logp, mb.response_mask, self.engine_is, self.engine_is_cap
                 )

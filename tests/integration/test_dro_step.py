@@ -113,7 +113,7 @@ def test_evaluate_reports_the_validation_reward_that_selects(dro_step_run):
     """Held-out mean R3 over groups of training-sampled rollouts picks DRO's best checkpoint."""
     cfg, *_, out = dro_step_run
     [record] = RunDir(out / "run").read_eval()
-    assert record["best_metric"] == best_metric(cfg)[0] == "eval_r3"
+    assert record["best_metric"] == best_metric(cfg) == "eval_r3"
     d = cfg.algorithm.dro
     assert d.clip_low <= record["eval_r3"] <= d.clip_high
     assert 0 < record["eval_ref_prob"] < 1
