@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rlvr.training.batch import build_batch
 from rlvr.training.policy_trainer import PolicyTrainer
@@ -24,6 +25,10 @@ def main() -> None:
     metrics = [trainer.train_step(batch) for _ in range(spec["steps"])]
     if trainer.rank == 0:
         Path(spec["out"]).write_text(json.dumps(metrics))
+    # Leave the group before exit: a rank torn down with live communication threads can abort
+    # ("terminate called without an active exception") after its work is done.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
