@@ -24,6 +24,7 @@ import peft
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -70,7 +71,19 @@ def init_distributed() -> None:
     else:
         backend = accelerator.communication_backend_name()
         accelerator.set_device(int(os.environ["LOCAL_RANK"]))
+    skip_shared_memory_all_reduce()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def skip_shared_memory_all_reduce() -> None:
+    """Keep DeepSpeed from JIT-building its CPU shared-memory all-reduce at init.
+
+    That op serves only inference tensor parallelism (`inference_all_reduce`), which training never
+    calls; building or loading it takes a file lock in the torch extensions folder, and a process
+    killed while holding it (a stopped run, a killed actor) leaves the lock behind, on which every
+    later DeepSpeed start then waits forever.
+    """
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 class PolicyTrainer:
