@@ -1,12 +1,14 @@
 """PolicyActor: owns the DeepSpeed-wrapped policy (`rlvr.training.PolicyTrainer`).
 
-A thin shell: it sets the process's threads, builds the trainer once and forwards calls. On CPU it
-is one gloo process; on GPUs one actor per rank in a placement group. With Tandem on, every
-training batch must carry its authorship and only the senior's tokens enter the loss.
+A thin shell: it sets the process's threads and its rank's distributed environment, builds the
+trainer once and forwards calls. A run with `resources.policy_ranks: N` starts N of them in its
+placement group (`workflows.policy_group`), gloo between them on CPU, NCCL on GPUs. With Tandem on,
+every training batch must carry its authorship and only the senior's tokens enter the loss.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,9 +27,13 @@ class PolicyActor:
         threads: int,
         lora: dict[str, Any] | None = None,
         tandem: bool = False,
+        distributed: dict[str, str] | None = None,
         **trainer_kwargs: Any,
     ):
+        """`distributed`: this rank's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK,
+        set before DeepSpeed starts (None: a one-process group)."""
         torch.set_num_threads(threads)
+        os.environ.update(distributed or {})
         self.tandem = tandem
         from rlvr.training.policy_trainer import PolicyTrainer
 
@@ -55,7 +61,10 @@ class PolicyActor:
         return self.trainer.train_step(batch, logprob_sums=logprob_sums)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return self.trainer.export_weights()
+        """The merged weights from rank 0; every rank joins the ZeRO-3 gathers and the others
+        return nothing, so the object store holds one copy."""
+        weights = self.trainer.export_weights()
+        return weights if self.trainer.rank == 0 else {}
 
     def save_state(self, directory: str) -> None:
         self.trainer.save_state(directory)

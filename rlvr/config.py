@@ -442,10 +442,16 @@ class VerifierConfig(Section):
 
 
 class ResourcesConfig(Section):
-    policy_cpus: float = Field(1.0, gt=0.0, description="CPUs reserved for the PolicyActor.")
-    policy_gpus: float = Field(0.0, ge=0.0, description="GPUs for the PolicyActor.")
-    generator_cpus: float = Field(1.0, gt=0.0, description="CPUs reserved for the GeneratorActor.")
-    generator_gpus: float = Field(0.0, ge=0.0, description="GPUs for the GeneratorActor.")
+    policy_ranks: int = Field(
+        1, ge=1, description="Data-parallel DeepSpeed ranks of the policy, one PolicyActor each."
+    )
+    policy_cpus: float = Field(1.0, gt=0.0, description="CPUs reserved per policy rank.")
+    policy_gpus: float = Field(0.0, ge=0.0, description="GPUs per policy rank.")
+    generator_engines: int = Field(
+        1, ge=1, description="Generation engines, one GeneratorActor each, sharing every step."
+    )
+    generator_cpus: float = Field(1.0, gt=0.0, description="CPUs reserved per generation engine.")
+    generator_gpus: float = Field(0.0, ge=0.0, description="GPUs per generation engine.")
     num_verifiers: int = Field(2, gt=0, description="VerifierActors in the pool.")
     verifier_cpus: float = Field(
         0.0, ge=0.0, description="CPUs reserved per VerifierActor (their work is I/O-light)."
@@ -455,12 +461,69 @@ class ResourcesConfig(Section):
         ge=0,
         description="Torch threads per model actor (0: all cores; phases run one at a time).",
     )
+    policy_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Custom node resources per policy rank (e.g. {rlvr_train: 1} to place ranks only on "
+            "nodes started with `ray start --resources='{\"rlvr_train\": 8}'`)."
+        ),
+    )
+    generator_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom node resources per generation engine (e.g. {rlvr_rollout: 1}).",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="Placement group strategy for the actors' bundles."
+        "PACK",
+        description=(
+            "Placement group strategy over the model actors' bundles (one per policy rank, then "
+            "one per engine): STRICT_SPREAD puts each on its own node."
+        ),
     )
 
+    @property
+    def bundles(self) -> int:
+        """Bundles of the run's placement group: one per policy rank and one per engine."""
+        return self.policy_ranks + self.generator_engines
+
+    def demand(self, verifiers: bool = True) -> dict[str, float]:
+        """Every resource the run's actors reserve, summed (`verifiers`: with the verifier pool,
+        which sits outside the model actors' placement group)."""
+        need: dict[str, float] = {}
+
+        def add(resources: dict[str, float], times: int) -> None:
+            for key, value in resources.items():
+                need[key] = need.get(key, 0.0) + value * times
+
+        add(
+            {"CPU": self.policy_cpus, "GPU": self.policy_gpus, **self.policy_resources},
+            self.policy_ranks,
+        )
+        add(
+            {"CPU": self.generator_cpus, "GPU": self.generator_gpus, **self.generator_resources},
+            self.generator_engines,
+        )
+        if verifiers:
+            add({"CPU": self.verifier_cpus}, self.num_verifiers)
+        return {k: v for k, v in need.items() if v > 0}
+
     def total_cpus(self) -> float:
-        return self.policy_cpus + self.generator_cpus + self.num_verifiers * self.verifier_cpus
+        return self.demand().get("CPU", 0.0)
+
+
+class SyncConfig(Section):
+    """How new policy weights reach the generation engines after every step."""
+
+    transport: Literal["auto", "object_store", "collective"] = Field(
+        "auto",
+        description=(
+            "object_store: one host copy of the weights through Ray's object store; collective: "
+            "a bucketed broadcast from policy rank 0 to every engine (gloo on CPU, NCCL on GPU); "
+            "auto: the object store for one engine on CPU, collective otherwise."
+        ),
+    )
+    bucket_mb: float = Field(
+        64.0, gt=0.0, description="Bucket size of the collective broadcast, in MiB."
+    )
 
 
 class RunConfig(Section):
@@ -489,6 +552,7 @@ class Config(Section):
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -663,12 +727,44 @@ class Config(Section):
 
     def check_cpus(self, available: float) -> None:
         """Fail before any actor starts when the actors ask for more CPUs than the cluster has."""
-        need = self.resources.total_cpus()
-        if need > available + 1e-9:
+        self.check_cluster([{"CPU": available}], strict_placement=False)
+
+    def check_cluster(self, nodes: list[dict[str, float]], strict_placement: bool = True) -> None:
+        """Fail before any actor starts when the layout cannot fit the cluster's nodes (each a
+        dict of its resources), naming the keys to change: a resource short in total, or a
+        STRICT_SPREAD / STRICT_PACK placement the node count or the largest node cannot hold."""
+        r = self.resources
+        keys = {
+            "CPU": "resources.policy_ranks / policy_cpus / generator_engines / generator_cpus / "
+            "verifier_cpus or num_verifiers",
+            "GPU": "resources.policy_ranks / policy_gpus / generator_engines / generator_gpus",
+        }
+        for resource, need in r.demand().items():
+            have = sum(node.get(resource, 0.0) for node in nodes)
+            if need > have + 1e-9:
+                what = "CPUs" if resource == "CPU" else "GPUs" if resource == "GPU" else resource
+                lower = keys.get(resource, "resources.policy_resources / generator_resources")
+                raise ConfigError(
+                    f"invalid config: resources: the actors need {need:g} {what} but "
+                    f"{have:g} are available; lower {lower}"
+                )
+        if not strict_placement:
+            return
+        if r.placement_strategy == "STRICT_SPREAD" and r.bundles > len(nodes):
             raise ConfigError(
-                f"invalid config: resources: the actors need {need:g} CPUs but {available:g} are available; "
-                "lower resources.policy_cpus / generator_cpus / verifier_cpus or num_verifiers"
+                f"invalid config: resources.placement_strategy: STRICT_SPREAD puts each of the "
+                f"{r.bundles} model actors (resources.policy_ranks + generator_engines) on its own "
+                f"node, but the cluster has {len(nodes)}"
             )
+        if r.placement_strategy == "STRICT_PACK":
+            model_need = r.demand(verifiers=False)
+            if not any(
+                all(node.get(k, 0.0) + 1e-9 >= v for k, v in model_need.items()) for node in nodes
+            ):
+                raise ConfigError(
+                    "invalid config: resources.placement_strategy: STRICT_PACK puts every model "
+                    f"actor on one node, and no node has {model_need}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

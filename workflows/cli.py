@@ -84,10 +84,16 @@ def init_ray(cfg: Config, engine_log: Path | None = None) -> None:
     output = worker_output_options(engine_log)
     if os.environ.get("RAY_ADDRESS"):
         ray.init(namespace=NAMESPACE, **output)
-        cfg.check_cpus(ray.cluster_resources().get("CPU", 0.0))
+        try:
+            cfg.check_cluster([n["Resources"] for n in ray.nodes() if n["Alive"]])
+        except ConfigError:
+            ray.shutdown()
+            raise
     else:
         cpus = os.cpu_count() or 1
-        cfg.check_cpus(cpus)
+        import torch
+
+        cfg.check_cluster([{"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}])
         ray.init(
             num_cpus=cpus,
             namespace=NAMESPACE,

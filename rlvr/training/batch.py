@@ -28,7 +28,9 @@ class TrainBatch:
     the caller or by the trainer before the loss. ``rollout_logp`` holds the generation engine's
     log-prob of each sampled response token (same alignment; 0 elsewhere), for the engine
     importance correction. A Tandem batch also carries ``authorship``, which the policy turns into
-    its senior-only loss mask.
+    its senior-only loss mask. ``filler`` marks rows a data-parallel split added so that every rank
+    holds as many rows (`rlvr.training.data_parallel`): they have no loss token and count in no
+    denominator.
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -40,9 +42,17 @@ class TrainBatch:
     ref_logp: torch.Tensor | None = None  # [B, T] float
     rollout_logp: torch.Tensor | None = None  # [B, T] float, the engine's sampled-token log-probs
     authorship: torch.Tensor | None = None  # [B, T] long, Tandem: 1 where the senior wrote
+    filler: torch.Tensor | None = None  # [B] bool, rows that only even out data-parallel shards
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    @property
+    def counted_rows(self) -> torch.Tensor:
+        """[B] bool: rows that count as sequences in a loss normaliser (all but fillers)."""
+        if self.filler is None:
+            return torch.ones(len(self), dtype=torch.bool)
+        return ~self.filler
 
     @property
     def num_loss_tokens(self) -> int:

@@ -32,6 +32,7 @@ from rlvr.algorithms import dro, grpo
 from rlvr.config import LoraConfig
 from rlvr.generation.base import scored_positions
 from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
+from rlvr.training.data_parallel import mini_batch_bounds
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LrSchedule = Literal["constant", "linear", "cosine"]
@@ -370,11 +371,9 @@ class PolicyTrainer:
         return out
 
     def _mini_batch_rows(self, n: int) -> list[list[int]]:
-        """Rows of each optimizer step: ``mini_batches`` contiguous, near-equal slices (whole GRPO
-        groups stay together when the batch is in group order); fewer when rows run out."""
-        count = min(self.mini_batches, n)
-        bounds = [round(i * n / count) for i in range(count + 1)]
-        return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
+        """Rows of each optimizer step (`data_parallel.mini_batch_bounds`)."""
+        bounds = mini_batch_bounds(n, self.mini_batches)
+        return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
 
     def _optimizer_step(
         self, batch: TrainBatch, threshold: float | None, engine: _EngineMismatch | None
@@ -387,12 +386,17 @@ class PolicyTrainer:
         # The loss is the global-batch loss across ranks, so its denominators are global sums.
         per_seq_tokens = batch.response_mask.sum(dim=1)
         agg_counts = self._aggregation_counts(per_seq_tokens)
-        n_tokens, n_agg = (
-            int(x) for x in self._all_reduce([per_seq_tokens.sum(), agg_counts.sum()], "sum")
+        counted = batch.counted_rows
+        # A micro-batch's aggregation divides by its own count (fillers included), the loss by
+        # the global count of real rows: `agg_share` below turns one into the other.
+        n_tokens, n_agg, n_seqs = (
+            int(x)
+            for x in self._all_reduce(
+                [per_seq_tokens.sum(), agg_counts[counted].sum(), counted.sum()], "sum"
+            )
         )
         # Dr.GRPO's constant normaliser must be the same for every micro-batch of the step.
         max_len = self.max_response_len or int(self._all_reduce([per_seq_tokens.max()], "max")[0])
-        n_seqs = int(self._all_reduce([len(batch)], "sum")[0]) if self.loss == "dro" else 0
 
         self.engine.train()
         lr = self.engine.get_lr()[0]

@@ -1,0 +1,151 @@
+"""PolicyGroup: N data-parallel PolicyActor ranks behind the one call surface the step code uses.
+
+Every call goes to every rank (DeepSpeed's collectives need them all) and the answer is rank 0's.
+A training batch is split so that the N ranks take exactly the 1-rank update
+(`rlvr.training.data_parallel`); teacher-forced scoring is split in equal shares and merged back
+in order. Rank 0 publishes the rendezvous (its node's address and a free port) before any rank
+starts DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlvr.training.batch import TrainBatch
+from rlvr.training.data_parallel import shard_batch, shard_sequences
+from workflows.workers import ActorFailure, Worker
+
+
+@dataclass
+class _Pending:
+    """Futures of one call on every rank, and how to merge the ranks' answers into one."""
+
+    futures: list[Any]
+    merge: Callable[[list[Any]], Any]
+
+
+class PolicyGroup:
+    """The policy's ranks, rank 0 first; `call` / `get` / `run` as on a single `Worker`."""
+
+    name = "PolicyActor"
+
+    def __init__(self, workers: Sequence[Worker], mini_batches: int = 1):
+        if not workers:
+            raise ValueError("a PolicyGroup needs at least one rank")
+        self.workers = list(workers)
+        self.mini_batches = mini_batches
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> _Pending:
+        if self.world_size > 1 and method == "train_step":
+            return self._train_step(*args, **kwargs)
+        if self.world_size > 1 and method == "score_logprobs":
+            return self._score_logprobs(*args, **kwargs)
+        futures = [w.call(method, *args, **kwargs) for w in self.workers]
+        return _Pending(futures, lambda answers: answers[0])
+
+    def get(self, pending: _Pending, step: int | None = None) -> Any:
+        answers = []
+        for rank, (worker, future) in enumerate(zip(self.workers, pending.futures, strict=True)):
+            try:
+                answers.append(worker.get(future, step=step))
+            except ActorFailure as err:
+                if self.world_size == 1:
+                    raise
+                raise ActorFailure(
+                    str(err).replace(worker.name, f"{worker.name} {rank}", 1)
+                ) from err
+        return pending.merge(answers)
+
+    def run(self, method: str, *args: Any, step: int | None = None, **kwargs: Any) -> Any:
+        return self.get(self.call(method, *args, **kwargs), step=step)
+
+    def _train_step(self, batch: TrainBatch, logprob_sums: bool = False) -> _Pending:
+        """Each rank trains on its share; metrics are global (all-reduced in the trainer), and
+        DUET's per-row sums come back in the batch's row order."""
+        shards, rows = shard_batch(batch, self.world_size, self.mini_batches)
+        futures = [
+            w.call("train_step", shard, logprob_sums=logprob_sums)
+            for w, shard in zip(self.workers, shards, strict=True)
+        ]
+
+        def merge(answers: list[dict[str, Any]]) -> dict[str, Any]:
+            out = dict(answers[0])
+            if logprob_sums:
+                sums = [0.0] * len(batch)
+                for rank_rows, answer in zip(rows, answers, strict=True):
+                    for row, value in zip(rank_rows, answer["logprob_sums"], strict=True):
+                        if row is not None:
+                            sums[row] = value
+                out["logprob_sums"] = sums
+            return out
+
+        return _Pending(futures, merge)
+
+    def _score_logprobs(
+        self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
+    ) -> _Pending:
+        """Equal shares of the sequences (fillers: the shortest, scoring nothing), merged back."""
+        shortest = min(range(len(sequences)), key=lambda i: len(sequences[i]), default=0)
+        shares = shard_sequences(len(sequences), self.world_size)
+        futures = []
+        for worker, share in zip(self.workers, shares, strict=True):
+            seqs = [sequences[shortest if i is None else i] for i in share]
+            pos = [[] if i is None else positions[i] for i in share]
+            futures.append(worker.call("score_logprobs", seqs, pos))
+
+        def merge(answers: list[list[list[float]]]) -> list[list[float]]:
+            out: list[list[float]] = [[] for _ in sequences]
+            for share, answer in zip(shares, answers, strict=True):
+                for i, values in zip(share, answer, strict=True):
+                    if i is not None:
+                        out[i] = values
+            return out
+
+        return _Pending(futures, merge)
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int]:
+    """This node's address and a port free on it, for rank 0's process group."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def rank_environments(
+    world_size: int, pg: PlacementGroup | None = None, bundle: int = 0
+) -> list[dict[str, str] | None]:
+    """Per rank, the distributed environment its PolicyActor sets before DeepSpeed starts; one
+    rank needs none (it starts a one-process group). The address is that of bundle ``bundle``'s
+    node, where rank 0 runs."""
+    if world_size == 1:
+        return [None]
+    strategy = (
+        PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+        if pg is not None
+        else None
+    )
+    addr, port = ray.get(_rendezvous.options(scheduling_strategy=strategy).remote())
+    return [
+        {
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            # Ray gives each GPU actor only its own device, which it sees as device 0.
+            "LOCAL_RANK": "0",
+        }
+        for rank in range(world_size)
+    ]
