@@ -95,6 +95,45 @@ def test_more_actor_cpus_than_available():
     load_config().check_cpus(2)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "nodes", "message"),
+    [
+        (["resources.policy_ranks=3"], [{"CPU": 2}], r"need 4 CPUs but 2 .*policy_ranks"),
+        (["resources.generator_gpus=1"], [{"CPU": 8}], r"need 1 GPUs but 0 .* generator_gpus"),
+        (
+            ["resources.policy_resources={rlvr_train: 1}"],
+            [{"CPU": 8}],
+            r"need 1 rlvr_train but 0 .*policy_resources",
+        ),
+        (
+            ["resources.generator_engines=2", "resources.placement_strategy=STRICT_SPREAD"],
+            [{"CPU": 8}, {"CPU": 8}],
+            r"STRICT_SPREAD puts each of the 3 model actors .* the cluster has 2",
+        ),
+        (
+            ["resources.placement_strategy=STRICT_PACK"],
+            [{"CPU": 1}, {"CPU": 1}],
+            r"STRICT_PACK puts every model actor on one node",
+        ),
+    ],
+)
+def test_layouts_that_cannot_fit_fail_naming_the_keys(overrides, nodes, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides).check_cluster(nodes)
+
+
+def test_layouts_that_fit():
+    spread = ["resources.policy_ranks=2", "resources.placement_strategy=STRICT_SPREAD"]
+    load_config(None, spread).check_cluster([{"CPU": 1}] * 3)
+    roles = [
+        "resources.policy_resources={rlvr_train: 1}",
+        "resources.generator_resources={rlvr_rollout: 1}",
+    ]
+    load_config(None, roles).check_cluster(
+        [{"CPU": 2, "rlvr_train": 1}, {"CPU": 2, "rlvr_rollout": 1}]
+    )
+
+
 def test_laconic_defaults_and_dual_kwargs():
     cfg = load_config(None, ["algorithm.laconic.enabled=true", "algorithm.laconic.budget=64"])
     lc = cfg.algorithm.laconic
