@@ -12,7 +12,10 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -38,6 +41,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 LrSchedule = Literal["constant", "linear", "cosine"]
 EngineIS = Literal["off", "tis", "mask"]
 _STATE_TAG = "state"
+_UNIVERSAL_TAG = "state_universal"
 
 
 def init_distributed() -> None:
@@ -614,15 +618,52 @@ class PolicyTrainer:
         )
 
     def load_state(self, directory: str | Path) -> None:
-        """Restore a `save_state` directory into this trainer (built with the same settings)."""
-        path, client_state = self.engine.load_checkpoint(
-            str(directory), tag=_STATE_TAG, load_module_strict=not self.use_lora
-        )
+        """Restore a `save_state` directory into this trainer (built with the same settings).
+
+        A ZeRO state saved by another number of ranks is first converted (once, by rank 0, next
+        to it) into DeepSpeed's universal checkpoint, which any rank count loads.
+        """
+        directory = Path(directory)
+        tag = _STATE_TAG
+        saved = len(list((directory / _STATE_TAG).glob("*zero_pp_rank_*_optim_states.pt")))
+        universal = self.zero_stage > 0 and saved not in (0, self.world_size)
+        if universal:
+            tag = _UNIVERSAL_TAG
+            if self.rank == 0 and not (directory / tag).is_dir():
+                _to_universal(directory / _STATE_TAG, directory / tag)
+            dist.barrier()
+        self.engine._config.load_universal_checkpoint = universal
+        try:
+            path, client_state = self.engine.load_checkpoint(
+                str(directory), tag=tag, load_module_strict=not self.use_lora
+            )
+        finally:
+            self.engine._config.load_universal_checkpoint = False
         if path is None:
             raise FileNotFoundError(f"no trainer state under {directory}")
         self.steps = client_state["steps"]
         torch.set_rng_state(client_state["cpu_rng"])
         get_accelerator().set_rng_state(client_state["accelerator_rng"])
+
+
+def _to_universal(state: Path, out: Path) -> None:
+    """DeepSpeed's conversion of a ZeRO state into a universal checkpoint (written beside, then
+    renamed into place, so a half-written conversion is never loaded)."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    args = ["--input_folder", str(state), "--output_folder", str(partial)]
+    args += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    done = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *args],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"cannot convert {state} (saved by another number of policy ranks) into a universal "
+            f"checkpoint; resume with the rank count it was saved with:\n{done.stderr[-2000:]}"
+        )
+    partial.rename(out)
 
 
 def _top_layers(model: PreTrainedModel, top: int | None) -> list[int] | None:
