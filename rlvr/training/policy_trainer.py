@@ -52,6 +52,7 @@ def init_distributed() -> None:
     gloo (DeepSpeed would pick oneCCL if its bindings were installed); GPUs use the accelerator's
     backend (nccl).
     """
+    skip_shared_memory_all_reduce()
     if dist.is_initialized():
         # Another component of this process (e.g. an in-process vLLM engine) already set up a group;
         # DeepSpeed reuses it but still insists on the launcher's rank variables.
@@ -76,7 +77,6 @@ def init_distributed() -> None:
     else:
         backend = accelerator.communication_backend_name()
         accelerator.set_device(int(os.environ["LOCAL_RANK"]))
-    skip_shared_memory_all_reduce()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
