@@ -1,8 +1,10 @@
-"""Shared fixtures: one Ray cluster per test session, bound to 127.0.0.1, and an isolated model cache."""
+"""Shared fixtures: one Ray cluster per test session, bound to 127.0.0.1, an isolated model cache,
+and the tiny model."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +32,11 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's tiny Qwen2 (head_dim 64, float32, byte-level BPE), built once per session."""
+    from rlvr.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)

@@ -209,7 +209,9 @@ class StopControllerFactory:
 
     `request_sizes[i]` is the number of samples of request i (n_q when requests carry n = n_q,
     all ones when every rollout is its own request); the rollout row is the flat index
-    sum(request_sizes[:i]) + j, and its coin seed is `rollout_seed(base_seed, step, row)`.
+    first_row + sum(request_sizes[:i]) + j, and its coin seed is `rollout_seed(base_seed, step,
+    row)`. `first_row` is the step-wide row of this engine's first rollout, so a step split over
+    several engines draws the coins one engine would.
     """
 
     decode: Callable[[Sequence[int]], str]
@@ -223,6 +225,7 @@ class StopControllerFactory:
     eps_abort: float = 0.05
     poll_every: int = 8
     window: int = 256
+    first_row: int = 0
 
     def __call__(self, request_index: int, sample_index: int) -> StopController:
         """The controller of sample `sample_index` of request `request_index`."""
@@ -231,7 +234,7 @@ class StopControllerFactory:
                 f"sample {sample_index} outside request {request_index} "
                 f"of size {self.request_sizes[request_index]}"
             )
-        row = sum(self.request_sizes[:request_index]) + sample_index
+        row = self.first_row + sum(self.request_sizes[:request_index]) + sample_index
         return StopController(
             self.decode,
             k1=self.k1,

@@ -565,6 +565,19 @@ def test_factory_numbers_rollouts_across_requests():
         factory(0, 2)
 
 
+def test_factory_rows_continue_from_first_row_across_engine_shards():
+    # Requests of sizes [2, 3, 1, 2] split after request 1: the second shard starts at row 5.
+    whole = StopControllerFactory(_decode, [2, 3, 1, 2], k1=8, k2=40, base_seed=4, step=9)
+    head = StopControllerFactory(_decode, [2, 3], k1=8, k2=40, base_seed=4, step=9)
+    tail = StopControllerFactory(_decode, [1, 2], k1=8, k2=40, base_seed=4, step=9, first_row=5)
+    assert tail(0, 0).seed == rollout_seed(4, 9, 5)
+    assert tail(1, 1).seed == rollout_seed(4, 9, 7)
+    one = [whole(i, j).seed for i, n in enumerate([2, 3, 1, 2]) for j in range(n)]
+    split = [head(i, j).seed for i, n in enumerate([2, 3]) for j in range(n)]
+    split += [tail(i, j).seed for i, n in enumerate([1, 2]) for j in range(n)]
+    assert split == one
+
+
 # ---------------------------------------------------------------- D. weights and advantages
 
 

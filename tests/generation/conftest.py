@@ -1,24 +1,11 @@
-"""Fixtures for the generation backends: the tiny model and scripted stop rules."""
+"""Fixtures for the generation backends: scripted stop rules (the tiny model is session-wide)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project's tiny Qwen2 (head_dim 64, float32, byte-level BPE), built once per session."""
-    from rlvr.models.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
 class StopAfter:

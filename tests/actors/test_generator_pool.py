@@ -1,0 +1,166 @@
+"""GeneratorPool: two vLLM GeneratorActors write exactly the rollouts of one (plain sampling, DUET's
+stop rule, Tandem), in request order for any split; a step refuses engines at another weight
+version; a crashed engine is named.
+
+Each engine computes with two threads, and with two or more vLLM's CPU attention may split a
+decode row's KV range into chunks merged afterwards, at points set by the whole batch's KV lengths
+(VLLM_CPU_ATTN_SPLIT_KV, on by default). The same request among other neighbours then gets logits
+that differ in the last bit: with the split on, 8 of these 32 rollouts differ by up to 1e-6 in
+log-probs. VLLM_CPU_ATTN_SPLIT_KV=0 computes every row alone and the rollouts match bit for bit.
+OMP_WAIT_POLICY=PASSIVE only keeps the engines' idle threads from spinning on the shared cores.
+"""
+
+import numpy as np
+import pytest
+import ray
+
+from actors.generator import GeneratorActor
+from rlvr.algorithms.duet_stop import coin, rollout_seed
+from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.models.tiny import build_tiny_model
+from workflows.generator_pool import GeneratorPool, contiguous_shards
+from workflows.workers import ActorFailure, Worker
+
+ENGINE = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True, "kv_cache_gib": 0.125}
+ENGINE_ENV = {"VLLM_CPU_ATTN_SPLIT_KV": "0", "OMP_WAIT_POLICY": "PASSIVE"}
+DUET = {
+    "k1": 4,
+    "k2": 8,
+    "base_seed": 7,
+    "step": 3,
+    "domain": "math",
+    "grace": 2,
+    "eps_abort": 0.5,
+    "poll_every": 1,
+    "window": 256,
+}
+"""The tiny model seldom writes a marker: most rollouts reach t = 10 and draw the coin."""
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster, tiny_model_dir, tmp_path_factory):
+    """Two Tandem-capable engines (the senior also samples alone)."""
+    junior = build_tiny_model(tmp_path_factory.mktemp("junior") / "tiny1", seed=1)
+    actors = [
+        ray.remote(GeneratorActor)
+        .options(num_cpus=0.1, runtime_env={"env_vars": ENGINE_ENV})
+        .remote(
+            "vllm",
+            str(tiny_model_dir),
+            threads=2,
+            tandem={"junior_path": str(junior), "p": 0.5, "cap": 4},
+            **ENGINE,
+        )
+        for _ in range(2)
+    ]
+    workers = [Worker(actor, f"GeneratorActor {i}") for i, actor in enumerate(actors)]
+    GeneratorPool(workers).run("ready")
+    yield workers
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+
+
+def _requests(lengths: list[int], n: int) -> list[GenerationRequest]:
+    """Prompts sharing a 140-token prefix, seeded per request as the trainer seeds them."""
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(5, 250, 140).tolist()
+    return [
+        GenerationRequest(
+            prefix + rng.integers(5, 250, k).tolist(), n=n, request_id=f"q{i}", seed=1000 * i
+        )
+        for i, k in enumerate(lengths)
+    ]
+
+
+def _rollouts(results) -> list[tuple]:
+    return [
+        (r.request_id, s.token_ids, s.logprobs, s.finish_reason, s.flags, s.authorship)
+        for r in results
+        for s in r.samples
+    ]
+
+
+def test_shards_are_contiguous_and_balanced():
+    assert contiguous_shards([10, 1, 1, 1, 1], 2) == [slice(0, 1), slice(1, 5)]
+    assert contiguous_shards([1] * 5, 2) == [slice(0, 2), slice(2, 5)]
+    assert contiguous_shards([3, 3, 3, 3], 1) == [slice(0, 4)]
+    assert contiguous_shards([5, 5], 3) == [slice(0, 1), slice(1, 1), slice(1, 2)]
+    assert contiguous_shards([], 2) == [slice(0, 0), slice(0, 0)]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("method", ["grpo", "duet", "tandem"])
+def test_two_engines_write_the_rollouts_of_one(engines, method):
+    requests = _requests([19, 3, 12, 8, 16, 1, 10, 5], n=4)
+    params = SamplingParams(temperature=1.0, max_tokens=64)
+    extra = {"duet": {"duet_stop": DUET}, "tandem": {"tandem": True}}.get(method, {})
+    one = engines[0].run("generate", requests, params, **extra)
+    pool = GeneratorPool(engines)
+    before = pool.run("stats")["engines"][1]["tokens"]
+    two = pool.run("generate", requests, params, step=3, **extra)
+    assert pool.run("stats")["engines"][1]["tokens"] > before  # engine 1 wrote a shard
+    assert _rollouts(two) == _rollouts(one)
+    samples = [s for r in two for s in r.samples]
+    if method == "duet":
+        # Every coin follows the rollout's step-wide row, in engine 1's shard too.
+        drawn = [
+            (s.flags["eps_kept"], coin(rollout_seed(7, 3, row)) < DUET["eps_abort"])
+            for row, s in enumerate(samples)
+            if s.flags["aborted"] or s.flags["eps_kept"]
+        ]
+        assert all(kept == expected for kept, expected in drawn)
+        assert {kept for kept, _ in drawn} == {True, False}
+    if method == "tandem":
+        assert {a for s in samples for a in s.authorship} == {0, 1}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("lengths", [[30, 2, 9, 14, 5], [7]], ids=["5-on-2", "1-on-2"])
+def test_results_come_back_in_request_order(engines, lengths):
+    requests = _requests(lengths, n=2)
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    one = _rollouts(engines[0].run("generate", requests, params))
+    two = GeneratorPool(engines).run("generate", requests, params)
+    assert [r.request_id for r in two] == [r.request_id for r in requests]
+    assert _rollouts(two) == one
+    assert _rollouts(GeneratorPool(engines[:1]).run("generate", requests, params)) == one
+
+
+@pytest.mark.ray
+def test_scores_split_over_engines_in_order(engines):
+    sequences = [r.prompt_ids for r in _requests([30, 2, 9, 14, 5], n=1)]
+    positions = [list(range(130, len(s))) for s in sequences]
+    two = GeneratorPool(engines).run("score_logprobs", sequences, positions)
+    assert two == engines[0].run("score_logprobs", sequences, positions)
+
+
+@pytest.mark.ray
+def test_an_engine_failure_names_the_engine(engines):
+    broken = ray.remote(GeneratorActor).options(num_cpus=0.1).remote("no-such-backend", "x", 1)
+    pool = GeneratorPool([engines[0], Worker(broken, "GeneratorActor 1")])
+    requests = _requests([5, 5], n=1)
+    with pytest.raises(ActorFailure, match=r"^GeneratorActor 1 failed at step 3: "):
+        pool.run("generate", requests, SamplingParams(max_tokens=4), step=3)
+
+
+@pytest.mark.ray
+def test_a_step_never_mixes_weight_versions(engines, tiny_model_dir):
+    """Runs last: it moves the engines' weight versions."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    weights = {name: p.detach() for name, p in model.named_parameters()}
+    pool = GeneratorPool(engines)
+    requests = _requests([5, 5], n=1)
+    params = SamplingParams(max_tokens=4)
+    assert engines[1].run("update_weights", weights) == 1  # engine 1 alone moves on
+    with pytest.raises(ActorFailure, match=r"GeneratorActor 1 failed at step 3: .*version 1"):
+        pool.run("generate", requests, params, step=3)
+    with pytest.raises(RuntimeError, match="GeneratorActor 0: 1, GeneratorActor 1: 2"):
+        pool.run("update_weights", weights)
+    assert engines[0].run("update_weights", ray.put(weights)) == 2
+    assert pool.run("update_weights", weights) == pool.weight_version == 3
+    stats = pool.run("stats")
+    assert stats["weight_version"] == 3
+    assert stats["tokens"] == sum(e["tokens"] for e in stats["engines"])
+    assert len(pool.run("generate", requests, params)) == 2

@@ -1,0 +1,166 @@
+"""M generation engines behind the call surface of one generator `Worker`.
+
+A step's requests go to the engines in contiguous, work-balanced shards and come back merged in
+request order. Every seed a rollout uses follows from its step-wide position (each request's own
+seed, DUET's coin rows through `first_row`), so M engines write exactly the rollouts of one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rlvr.generation.base import GenerationRequest, SamplingParams
+from workflows.workers import Worker
+
+
+@dataclass
+class PoolFuture:
+    """The engines' futures of one pool call, as (engine index, future), and how to merge them."""
+
+    parts: list[tuple[int, Any]]
+    merge: Callable[[list[Any]], Any]
+
+
+def contiguous_shards(costs: Sequence[float], parts: int) -> list[slice]:
+    """Cut items into `parts` contiguous slices of about total / parts cost each.
+
+    Cut k falls at the item boundary whose cost prefix is nearest k * total / parts (the earlier
+    on a tie, never before cut k - 1); slices may be empty. Contiguous, so a shard's rollouts are
+    one run of step-wide rows and DUET's coins need only the shard's first row.
+    """
+    prefix = list(itertools.accumulate(costs, initial=0))
+    cuts = [0]
+    for k in range(1, parts):
+        target = prefix[-1] * k / parts
+        cuts.append(min(range(cuts[-1], len(costs) + 1), key=lambda b: abs(prefix[b] - target)))
+    cuts.append(len(costs))
+    return [slice(a, b) for a, b in itertools.pairwise(cuts)]
+
+
+def _concat(shards: list[list[Any]]) -> list[Any]:
+    return [item for shard in shards for item in shard]
+
+
+class GeneratorPool:
+    """Drives `workers` (one GeneratorActor each, engine 0 first) as the step code drives one.
+
+    `call(method, ...)` returns a `PoolFuture`, `get` resolves it, `run` does both; a crashed
+    engine raises `ActorFailure` under its Worker's name, so the names must differ
+    ("GeneratorActor 0", "GeneratorActor 1", ...). The pool's `weight_version` starts at 0, as
+    a fresh GeneratorActor's does, and follows each resolved `update_weights`; `generate` sends
+    it along and an engine at another version refuses the call, so no step mixes weights.
+    """
+
+    name = "GeneratorPool"
+
+    def __init__(self, workers: list[Worker]) -> None:
+        names = [w.name for w in workers]
+        if not workers or len(set(names)) != len(names):
+            raise ValueError(f"a GeneratorPool needs engines with distinct names, got {names}")
+        self.workers = list(workers)
+        self.weight_version = 0
+        self._methods: dict[str, Callable[..., PoolFuture]] = {
+            "generate": self._generate,
+            "score_logprobs": self._score_logprobs,
+            "update_weights": self._update_weights,
+            "stats": self._stats,
+            "ready": self._ready,
+        }
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> PoolFuture:
+        """Start `method` on the engines that take part; resolve the result with `get`."""
+        if method not in self._methods:
+            raise AttributeError(f"GeneratorPool has no method {method!r}")
+        return self._methods[method](*args, **kwargs)
+
+    def get(self, future: PoolFuture, step: int | None = None) -> Any:
+        """Resolve every engine's part and merge; a crash names the engine and the step."""
+        return future.merge([self.workers[i].get(part, step=step) for i, part in future.parts])
+
+    def run(self, method: str, *args: Any, step: int | None = None, **kwargs: Any) -> Any:
+        return self.get(self.call(method, *args, **kwargs), step=step)
+
+    def _generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        duet_stop: dict[str, Any] | None = None,
+        tandem: bool = False,
+    ) -> PoolFuture:
+        """Shards balanced on estimated work, n x (prompt length + max_tokens) per request."""
+        costs = [r.n * (len(r.prompt_ids) + params.max_tokens) for r in requests]
+        row = 0 if duet_stop is None else duet_stop.get("first_row", 0)
+        parts = []
+        for i, shard in enumerate(contiguous_shards(costs, len(self.workers))):
+            chunk = requests[shard]
+            if chunk:
+                stop = None if duet_stop is None else {**duet_stop, "first_row": row}
+                future = self.workers[i].call(
+                    "generate",
+                    chunk,
+                    params,
+                    duet_stop=stop,
+                    tandem=tandem,
+                    weight_version=self.weight_version,
+                )
+                parts.append((i, future))
+            row += sum(r.n for r in chunk)
+        return PoolFuture(parts, _concat)
+
+    def _score_logprobs(
+        self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
+    ) -> PoolFuture:
+        """Shards balanced on sequence length (one prefill each)."""
+        shards = contiguous_shards([len(q) for q in sequences], len(self.workers))
+        parts = [
+            (i, self.workers[i].call("score_logprobs", sequences[shard], positions[shard]))
+            for i, shard in enumerate(shards)
+            if shard.stop > shard.start
+        ]
+        return PoolFuture(parts, _concat)
+
+    def _update_weights(self, named_tensors: Any) -> PoolFuture:
+        """Every engine loads the same weights: a dict goes into the object store once, and every
+        actor engine reads that one copy; an ObjectRef (the policy's export) is passed as is."""
+        shared = named_tensors
+        if isinstance(named_tensors, dict) and any(w.is_actor for w in self.workers):
+            shared = ray.put(named_tensors)
+        parts = [
+            (i, w.call("update_weights", shared if w.is_actor else named_tensors))
+            for i, w in enumerate(self.workers)
+        ]
+        return PoolFuture(parts, self._adopt_version)
+
+    def _adopt_version(self, versions: list[int]) -> int:
+        self.weight_version = self._common_version(versions)
+        return self.weight_version
+
+    def _common_version(self, versions: list[int]) -> int:
+        """The engines' one weight version; raises when they disagree."""
+        if len(set(versions)) != 1:
+            held = ", ".join(f"{w.name}: {v}" for w, v in zip(self.workers, versions, strict=True))
+            raise RuntimeError(f"generation engines disagree on their weight version ({held})")
+        return versions[0]
+
+    def _stats(self) -> PoolFuture:
+        parts = [(i, w.call("stats")) for i, w in enumerate(self.workers)]
+        return PoolFuture(parts, self._merge_stats)
+
+    def _merge_stats(self, stats: list[dict[str, float]]) -> dict[str, Any]:
+        """Tokens and busy seconds summed; tokens_per_s is the engines' rates summed (they run
+        side by side); the per-engine figures under "engines"."""
+        return {
+            "tokens": sum(s["tokens"] for s in stats),
+            "seconds": sum(s["seconds"] for s in stats),
+            "tokens_per_s": sum(s["tokens_per_s"] for s in stats),
+            "weight_version": self._common_version([s["weight_version"] for s in stats]),
+            "engines": stats,
+        }
+
+    def _ready(self) -> PoolFuture:
+        return PoolFuture([(i, w.call("ready")) for i, w in enumerate(self.workers)], all)
