@@ -6,7 +6,7 @@ log-probs; per-sample stop rules (DUET's marker-gated abort) plug in through `St
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -107,8 +107,13 @@ class GenerationBackend(Protocol):
         the backend's junior (backends started with one)."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in place (HF parameter names) without restarting it."""
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        names: Collection[str] | None = None,
+    ) -> None:
+        """Replace the engine's weights in place (HF parameter names) without restarting it;
+        ``names``, when known ahead, announces the names ``named_tensors`` yields."""
         ...
 
     def close(self) -> None: ...

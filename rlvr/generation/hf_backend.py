@@ -6,7 +6,7 @@ A manual sampling loop over a left-padded batch with a KV cache, sampling exactl
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -82,6 +82,24 @@ def check_weight_names(names: Iterable[str], required: set[str], allowed: set[st
         raise ValueError(
             f"weight names do not match the model: missing {missing}, unknown {unknown}"
         )
+
+
+def checked_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    names: Collection[str] | None,
+    required: set[str],
+    allowed: set[str],
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """``named_tensors`` once their names passed `check_weight_names`, before any tensor is read.
+
+    ``names`` announces what ``named_tensors`` will yield (a streamed broadcast knows them ahead),
+    so the tensors can still stream to the loader one at a time; without it they are listed first.
+    """
+    if names is None:
+        named_tensors = list(named_tensors)
+        names = [name for name, _ in named_tensors]
+    check_weight_names(names, required, allowed)
+    return named_tensors
 
 
 class HFBackend:
@@ -330,11 +348,16 @@ class HFBackend:
                 out.append(picked[row, [t - 1 for t in pos]].tolist())
         return out
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        names: Collection[str] | None = None,
+    ) -> None:
         """Copy new weights into the model in place; names must be exactly the HF parameter names
-        (tied aliases such as lm_head.weight optional)."""
-        state = dict(named_tensors)
-        check_weight_names(state, self._required_names, self._allowed_names)
+        (tied aliases such as lm_head.weight optional), announced by ``names`` when known ahead."""
+        state = dict(
+            checked_weights(named_tensors, names, self._required_names, self._allowed_names)
+        )
         # strict=False only because a tied alias may be absent; check_weight_names did the strict part.
         self.model.load_state_dict(state, strict=False)
 

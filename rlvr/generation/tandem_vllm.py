@@ -132,7 +132,7 @@ class TandemForCausalLM(nn.Module):
         return loaded | {f"{JUNIOR_PREFIX}.{name}" for name in junior}
 
 
-def reload_senior(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+def reload_senior(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """`collective_rpc` target: vLLM's in-place reload scoped to the senior submodule (HF names),
     so the junior's parameters are never restored, reloaded or reprocessed."""
     runner = worker.model_runner

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -37,7 +37,7 @@ from rlvr.generation.base import (
     sample_seed,
     scored_positions,
 )
-from rlvr.generation.hf_backend import check_weight_names, hf_weight_names
+from rlvr.generation.hf_backend import checked_weights, hf_weight_names
 from rlvr.generation.stop_rules import StopRuleTracker
 from rlvr.generation.tandem_support import AuthorTracker, check_same_tokenizer, tandem_seed
 from rlvr.generation.vllm_rows import RowTrackingLogitsProcessor, real_token_count
@@ -330,17 +330,23 @@ class VLLMBackend:
             out.append([row[t][int(seq[t])].logprob for t in scored_positions(pos, len(seq))])
         return out
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        names: Collection[str] | None = None,
+    ) -> None:
         """Replace all weights in place (HF names, e.g. from the trainer's named_parameters()).
 
         Every parameter of the HF model must be present: vLLM fuses q/k/v and gate/up into one
-        tensor, and a partial set would leave the rest of a fused tensor undefined. Uses vLLM's
-        own `reload_weights` (the model's load_weights plus post-load repacking), then drops the
-        prefix cache so no KV computed with the old weights is reused. On a tandem engine only
-        the senior is reloaded; the junior keeps its weights.
+        tensor, and a partial set would leave the rest of a fused tensor undefined. ``names``
+        announces the names ``named_tensors`` yields: they are checked before the first tensor is
+        read and the tensors then stream into vLLM as they come (a bucketed broadcast holds one
+        bucket at a time); without it the tensors are listed to check their names. Uses vLLM's
+        own `reload_weights` (the model's load_weights plus post-load repacking, run once), then
+        drops the prefix cache so no KV computed with the old weights is reused. On a tandem
+        engine only the senior is reloaded; the junior keeps its weights.
         """
-        weights = list(named_tensors)
-        check_weight_names([name for name, _ in weights], self._required_names, self._allowed_names)
+        weights = checked_weights(named_tensors, names, self._required_names, self._allowed_names)
         llm = self.llm
         if self.junior_path is None:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

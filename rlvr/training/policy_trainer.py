@@ -36,6 +36,7 @@ from rlvr.config import LoraConfig
 from rlvr.generation.base import scored_positions
 from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
 from rlvr.training.data_parallel import mini_batch_bounds
+from rlvr.training.weight_sync import TensorSpec
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LrSchedule = Literal["constant", "linear", "cosine"]
@@ -555,8 +556,18 @@ class PolicyTrainer:
         under ZeRO-3 parameters are gathered one module at a time. Every rank must call it.
         Tied weights appear once (under their first name), as in ``named_parameters``.
         """
+        return {name: tensor.to("cpu", copy=True) for name, tensor in self.iter_export_weights()}
+
+    @torch.no_grad()
+    def iter_export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights of `export_weights`, one at a time in `export_manifest` order, on this
+        rank's device, so a consumer (a bucketed broadcast) never holds the whole model.
+
+        A tensor is valid only until the next one is requested (a gathered ZeRO-3 parameter is
+        released then, and a plain one is the live parameter): copy what you keep. Every rank must
+        run it to the end (ZeRO-3 gathers are collective).
+        """
         base = self.engine.module.get_base_model() if self.use_lora else self.engine.module
-        out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         lora_prefixes: list[str] = []
         for name, module in base.named_modules():
@@ -566,22 +577,26 @@ class PolicyTrainer:
                 lora_prefixes.append(name + ".")
                 with self._gathered(list(module.parameters())):
                     layer = module.base_layer
-                    merged = layer.weight.detach() + module.get_delta_weight("default")
-                    out[f"{name}.weight"] = merged.cpu()
                     seen.add(id(layer.weight))
+                    yield f"{name}.weight", layer.weight + module.get_delta_weight("default")
                     if layer.bias is not None:
-                        out[f"{name}.bias"] = layer.bias.detach().to("cpu", copy=True)
                         seen.add(id(layer.bias))
+                        yield f"{name}.bias", layer.bias.detach()
                 continue
             for pname, param in module.named_parameters(recurse=False):
                 if id(param) in seen:
                     continue
                 seen.add(id(param))
                 with self._gathered([param]):
-                    key = f"{name}.{pname}" if name else pname
-                    # A copy: a gathered ZeRO-3 parameter's storage is freed after the block.
-                    out[key] = param.detach().to("cpu", copy=True)
-        return out
+                    yield (f"{name}.{pname}" if name else pname), param.detach()
+
+    def export_manifest(self) -> list[TensorSpec]:
+        """Name, full shape and dtype of every weight `iter_export_weights` yields, in its order,
+        without gathering anything: the base architecture's parameters on the meta device."""
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self._hf_model.config)
+        dtype = self._hf_model.dtype
+        return [TensorSpec(n, tuple(p.shape), dtype) for n, p in skeleton.named_parameters()]
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Write an HF model directory (merged weights + tokenizer) and, with LoRA, ``adapter/``.
