@@ -24,6 +24,7 @@ from rlvr.generation.base import (
     SamplingParams,
     StopRuleFactory,
 )
+from rlvr.training import weight_sync
 
 
 class GeneratorActor:
@@ -58,10 +59,17 @@ class GeneratorActor:
         stop_rule_factory: StopRuleFactory | None = None,
         duet_stop: dict[str, Any] | None = None,
         tandem: bool = False,
+        weight_version: int | None = None,
     ) -> list[GenerationResult]:
         """Sample every request; `duet_stop` (the settings of a `StopControllerFactory` but the
-        decode function and request sizes) runs DUET's stop rule on every sample in the engine;
-        `tandem` co-writes every sample with the junior (authorship in `Sample.authorship`)."""
+        decode function and request sizes; `first_row` when these requests continue a step
+        split over engines) runs DUET's stop rule on every sample in the engine; `tandem`
+        co-writes every sample with the junior (authorship in `Sample.authorship`).
+        `weight_version`, when given, must be this engine's: a step never mixes weights."""
+        if weight_version is not None and weight_version != self.weight_version:
+            raise ValueError(
+                f"engine at weight version {self.weight_version}, the step expects {weight_version}"
+            )
         if tandem and self.schedule is None:
             raise ValueError("tandem generation needs a GeneratorActor started with a junior")
         if duet_stop is not None:
@@ -98,3 +106,34 @@ class GeneratorActor:
             "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "weight_version": self.weight_version,
         }
+
+    def open_weight_group(
+        self, host: str, port: int, world_size: int, rank: int, timeout_s: float
+    ) -> None:
+        """Join the weight group of policy rank 0 (`PolicyActor.weight_sync_address`) as
+        ``rank`` (1..M); returns once every member has joined."""
+        store = weight_sync.join_store(host, port, world_size, timeout_s)
+        self._weight_group = weight_sync.open_group(
+            rank, world_size, weight_sync.local_device(), store
+        )
+
+    def receive_weights(self, buckets: list[weight_sync.Bucket]) -> dict[str, float]:
+        """Load the weights policy rank 0 broadcasts in ``buckets`` (its plan), one bucket in
+        memory at a time, and bump `weight_version` as `update_weights` does.
+
+        The names are checked against the plan before anything is received. Returns the new
+        version and the seconds spent in broadcasts (transport_s) and loading (load_s).
+        """
+        start = time.perf_counter()
+        device = weight_sync.local_device()
+        with weight_sync.BucketReceiver(self._weight_group, buckets, device) as received:
+            self.backend.load_weights(received, names=received.names)
+        self.weight_version += 1
+        return {
+            "version": self.weight_version,
+            "transport_s": received.transport_s,
+            "load_s": time.perf_counter() - start - received.transport_s,
+        }
+
+    def close_weight_group(self) -> None:
+        self._weight_group = None

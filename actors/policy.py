@@ -13,10 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from rlvr.algorithms.tandem import senior_loss_mask
 from rlvr.config import LoraConfig
+from rlvr.training import weight_sync
 from rlvr.training.batch import TrainBatch
 
 
@@ -76,3 +78,46 @@ class PolicyActor:
         """HF-format checkpoint (merged weights, plus the PEFT adapter when LoRA is on)."""
         self.trainer.save_checkpoint(directory)
         return str(Path(directory))
+
+    def weight_sync_address(self, world_size: int, timeout_s: float) -> tuple[str, int]:
+        """Policy rank 0: serve the weight group's rendezvous on this node; returns the (address,
+        port) the engines join (`rlvr.training.weight_sync`)."""
+        if self.trainer.rank != 0:
+            raise RuntimeError(f"policy rank 0 sends the weights, not rank {self.trainer.rank}")
+        host = ray.util.get_node_ip_address()
+        self._weight_store = weight_sync.serve_store(host, world_size, timeout_s)
+        return host, self._weight_store.port
+
+    def open_weight_group(self, world_size: int) -> None:
+        """Policy rank 0 joins the weight group as its rank 0 (after `weight_sync_address`);
+        returns once every engine has joined."""
+        self._weight_group = weight_sync.open_group(
+            weight_sync.ROOT, world_size, self.trainer.device, self._weight_store
+        )
+
+    def weight_manifest(self) -> list[weight_sync.TensorSpec]:
+        return self.trainer.export_manifest()
+
+    def broadcast_weights(self, buckets: list[weight_sync.Bucket]) -> dict[str, float]:
+        """Stream the merged weights into ``buckets`` and broadcast each to the engines.
+
+        Every rank calls it: under ZeRO-3 all of them join each parameter's gather, and only rank
+        0 sends. Returns rank 0's `weight_sync.SendStats` (the other ranks: {}). A failed send
+        drops the group, so engines still waiting on it see the connection close.
+        """
+        weights = self.trainer.iter_export_weights()
+        if self.trainer.rank != 0:
+            for _ in weights:
+                pass
+            return {}
+        try:
+            stats = weight_sync.send_weights(
+                self._weight_group, buckets, weights, self.trainer.device
+            )
+        except BaseException:
+            self.close_weight_group()
+            raise
+        return dict(vars(stats))
+
+    def close_weight_group(self) -> None:
+        self._weight_group = self._weight_store = None

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.controller import NAMESPACE, ControllerActor, controller_name
@@ -20,7 +20,10 @@ from actors.generator import GeneratorActor
 from actors.policy import PolicyActor
 from actors.verifier import VerifierActor, VerifierPool
 from rlvr import tandem_rollouts
-from rlvr.config import Config
+from rlvr.config import Config, ResourcesConfig
+from workflows.generator_pool import GeneratorPool
+from workflows.policy_group import PolicyGroup, rank_environments
+from workflows.weight_sync import WeightSync, make_weight_sync
 from workflows.workers import Worker
 
 PLACEMENT_TIMEOUT_S = 60.0
@@ -28,11 +31,14 @@ PLACEMENT_TIMEOUT_S = 60.0
 
 @dataclass
 class Components:
-    policy: Worker
-    generator: Worker
+    policy: PolicyGroup
+    generator: GeneratorPool
     verifier: Any
     """VerifierPool (actors) or VerifierActor (in-process); both expose `score`."""
     controller: Worker
+    sync: WeightSync
+    layout: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per model actor ("PolicyActor 0", "GeneratorActor 1"), the node it runs on."""
     _cleanup: list = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -94,6 +100,8 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
             cpu_threads=torch_threads(cfg),
             enforce_eager=g.enforce_eager,
         )
+        if cfg.resources.generator_tp > 1:
+            kw["tensor_parallel_size"] = cfg.resources.generator_tp
     tandem = tandem_rollouts.generator_settings(cfg, model_dir)
     if tandem is not None:
         kw["tandem"] = tandem
@@ -102,10 +110,20 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
 
 
 def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> Components:
+    """The run's workers: `resources.policy_ranks` PolicyActors and `resources.generator_engines`
+    GeneratorActors in one placement group (in-process: one of each), the controller, the verifier
+    pool, and the weight sync between policy and engines (`sync.transport`)."""
+    mini_batches = cfg.training.mini_batches
     if not use_actors:
+        policy = PolicyGroup(
+            [Worker(PolicyActor(**policy_kwargs(cfg, model_dir)), "PolicyActor")], mini_batches
+        )
+        generator = GeneratorPool(
+            [Worker(GeneratorActor(**generator_kwargs(cfg, model_dir)), "GeneratorActor")]
+        )
         return Components(
-            policy=Worker(PolicyActor(**policy_kwargs(cfg, model_dir)), "PolicyActor"),
-            generator=Worker(GeneratorActor(**generator_kwargs(cfg, model_dir)), "GeneratorActor"),
+            policy=policy,
+            generator=generator,
             verifier=VerifierActor(cfg.verifier.timeout_s, num_workers=cfg.verifier.num_workers),
             controller=Worker(
                 ControllerActor(
@@ -113,46 +131,72 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                 ),
                 "ControllerActor",
             ),
+            sync=make_weight_sync(cfg, policy, generator),
         )
 
     r = cfg.resources
-    bundles = [
-        {"CPU": r.policy_cpus, **({"GPU": r.policy_gpus} if r.policy_gpus else {})},
-        {"CPU": r.generator_cpus, **({"GPU": r.generator_gpus} if r.generator_gpus else {})},
-    ]
+    bundles = [policy_bundle(r)] * r.policy_ranks + [generator_bundle(r)] * r.generator_engines
     pg = placement_group(bundles, strategy=r.placement_strategy, name=f"rlvr-{cfg.run.name}")
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise RuntimeError(
-            f"the cluster cannot place the actors' bundles {bundles} within {PLACEMENT_TIMEOUT_S:.0f}s; "
+            f"the cluster cannot place the actors' bundles {bundles} "
+            f"({r.placement_strategy}) within {PLACEMENT_TIMEOUT_S:.0f}s; "
             f"available: {ray.available_resources()}"
         ) from None
+    handles: list[Any] = []
 
-    def model_actor(cls: type, role: str, bundle: int, cpus: float, gpus: float, kwargs: dict):
+    def model_actor(cls: type, name: str, bundle: int, cpus: float, gpus: float, kwargs: dict):
         """A model-owning actor pinned to its bundle of the run's placement group."""
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=bundle
         )
-        options = {"name": f"rlvr-{role}-{cfg.run.name}", "namespace": NAMESPACE, "num_cpus": cpus}
-        return (
+        handle = (
             ray.remote(cls)
-            .options(**options, num_gpus=gpus, scheduling_strategy=strategy)
+            .options(
+                name=f"rlvr-{name}-{cfg.run.name}",
+                namespace=NAMESPACE,
+                num_cpus=cpus,
+                num_gpus=gpus,
+                scheduling_strategy=strategy,
+            )
             .remote(**kwargs)
         )
+        handles.append(handle)
+        return handle
 
-    policy = model_actor(
-        PolicyActor, "policy", 0, r.policy_cpus, r.policy_gpus, policy_kwargs(cfg, model_dir)
-    )
-    generator = model_actor(
-        GeneratorActor,
-        "generator",
-        1,
-        r.generator_cpus,
-        r.generator_gpus,
-        generator_kwargs(cfg, model_dir),
-    )
+    ranks = r.policy_ranks
+    policy_workers = [
+        Worker(
+            model_actor(
+                PolicyActor,
+                "policy" if ranks == 1 else f"policy-{rank}",
+                rank,
+                r.policy_cpus,
+                r.policy_gpus,
+                {**policy_kwargs(cfg, model_dir), "distributed": env},
+            ),
+            "PolicyActor",
+        )
+        for rank, env in enumerate(rank_environments(ranks, pg, bundle=0))
+    ]
+    engines = r.generator_engines
+    generator_workers = [
+        Worker(
+            model_actor(
+                GeneratorActor,
+                "generator" if engines == 1 else f"generator-{i}",
+                ranks + i,
+                r.generator_cpus,
+                r.generator_gpus,
+                generator_kwargs(cfg, model_dir),
+            ),
+            "GeneratorActor" if engines == 1 else f"GeneratorActor {i}",
+        )
+        for i in range(engines)
+    ]
     controller = (
         ray.remote(ControllerActor)
         .options(
@@ -160,27 +204,69 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         )
         .remote(cfg.generation.group_size, cfg.laconic_dual(), cfg.duet_controller())
     )
+    handles.append(controller)
     verifier = VerifierPool(
         r.num_verifiers,
         cfg.verifier.timeout_s,
         workers_per_actor=cfg.verifier.num_workers,
         cpus_per_actor=r.verifier_cpus,
     )
-    comps = Components(
-        policy=Worker(policy, "PolicyActor"),
-        generator=Worker(generator, "GeneratorActor"),
-        verifier=verifier,
-        controller=Worker(controller, "ControllerActor"),
-    )
-    # Wait for the model actors to finish loading so a bad model fails here, named, not mid-step.
-    comps.policy.run("ready")
-    comps.generator.run("ready")
 
     def cleanup() -> None:
         verifier.shutdown()
-        for handle in (policy, generator, controller):
+        for handle in handles:
             ray.kill(handle, no_restart=True)
         remove_placement_group(pg)
 
+    policy = PolicyGroup(policy_workers, mini_batches)
+    generator = GeneratorPool(generator_workers)
+    try:
+        # Wait for the model actors to finish loading so a bad model fails here, named, not
+        # mid-step.
+        policy.run("ready")
+        generator.run("ready")
+        sync = make_weight_sync(cfg, policy, generator)
+    except BaseException:
+        cleanup()
+        raise
+    comps = Components(
+        policy=policy,
+        generator=generator,
+        verifier=verifier,
+        controller=Worker(controller, "ControllerActor"),
+        sync=sync,
+        layout=placement_layout(pg, ranks, engines),
+    )
     comps._cleanup.append(cleanup)
+    comps._cleanup.append(sync.close)
     return comps
+
+
+def placement_layout(pg: PlacementGroup, ranks: int, engines: int) -> dict[str, dict[str, str]]:
+    """Where the placement group put each model actor (bundle i holds rank i, then the engines)."""
+    nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    names = [f"PolicyActor {r}" for r in range(ranks)]
+    names += [f"GeneratorActor {i}" for i in range(engines)]
+    return {
+        name: {"node_id": nodes[b], "node_ip": addresses.get(nodes[b], "")}
+        for b, name in enumerate(names)
+    }
+
+
+def policy_bundle(r: ResourcesConfig) -> dict[str, float]:
+    """One policy rank's share of the placement group (plus `resources.policy_resources`)."""
+    return {
+        "CPU": r.policy_cpus,
+        **({"GPU": r.policy_gpus} if r.policy_gpus else {}),
+        **r.policy_resources,
+    }
+
+
+def generator_bundle(r: ResourcesConfig) -> dict[str, float]:
+    """One engine's share of the placement group (plus `resources.generator_resources`)."""
+    return {
+        "CPU": r.generator_cpus,
+        **({"GPU": r.generator_gpus} if r.generator_gpus else {}),
+        **r.generator_resources,
+    }

@@ -381,9 +381,8 @@ class Trainer:
         )
 
     def sync_weights(self, step: int | None = None) -> None:
-        """Push the policy's current weights into the generator without restarting the engine."""
-        weights = self.comps.policy.call("export_weights")
-        self.comps.generator.run("update_weights", weights, step=step)
+        """Push the policy's current weights into every engine without restarting them."""
+        self.comps.sync.push(step)
 
     def persist(self, step: int, metrics: dict[str, Any], best_step: int | None) -> None:
         """Commit step `step`: its log lines, then policy + optimizer and controller state.
@@ -508,6 +507,8 @@ def train(
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     comps = start_components(cfg, model_dir, use_actors=use_actors)
+    if comps.layout:
+        atomic_write_text(run.path / "layout.json", json.dumps(comps.layout, indent=1))
     dro_step = None
     if cfg.algorithm.dro.enabled:
         try:
