@@ -450,6 +450,15 @@ class ResourcesConfig(Section):
     generator_engines: int = Field(
         1, ge=1, description="Generation engines, one GeneratorActor each, sharing every step."
     )
+    generator_tp: int = Field(
+        1,
+        ge=1,
+        description=(
+            "vLLM tensor parallelism per engine (worker processes of its own; on GPUs set "
+            "generator_gpus to the same number). DUET's stop rule and Tandem's junior run in the "
+            "engine's process, so they need 1."
+        ),
+    )
     generator_cpus: float = Field(1.0, gt=0.0, description="CPUs reserved per generation engine.")
     generator_gpus: float = Field(0.0, ge=0.0, description="GPUs per generation engine.")
     num_verifiers: int = Field(2, gt=0, description="VerifierActors in the pool.")
@@ -582,6 +591,7 @@ class Config(Section):
             _, warning = laconic.resolve_lam_max(lc.lam_max, lc.budget, max_tokens)
             if warning:
                 warnings.warn(f"algorithm.laconic.lam_max: {warning}", stacklevel=2)
+        self._check_tensor_parallel()
         if self.algorithm.duet.enabled:
             self._check_duet()
         if self.algorithm.dro.enabled:
@@ -591,6 +601,27 @@ class Config(Section):
         if self.algorithm.dynamic_sampling.enabled:
             self._check_dynamic_sampling()
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        r = self.resources
+        if r.generator_tp == 1:
+            return
+        if self.generation.backend != "vllm":
+            raise ValueError("resources.generator_tp > 1 needs generation.backend: vllm")
+        if self.algorithm.duet.enabled or self.algorithm.tandem.enabled:
+            # Their per-sample state (stop-rule trackers, the author schedule) lives in the
+            # engine's own process and is read by a logits processor there; with TP the
+            # processors run in vLLM's worker processes, which cannot see it.
+            raise ValueError(
+                "resources.generator_tp > 1 cannot run DUET's stop rule or Tandem's junior: both "
+                "keep per-sample state in the engine's process, which tensor-parallel workers "
+                "do not share; use generator_engines for more generation instead"
+            )
+        if r.generator_gpus and r.generator_gpus != r.generator_tp:
+            raise ValueError(
+                f"resources.generator_gpus={r.generator_gpus:g} must equal "
+                f"resources.generator_tp={r.generator_tp} (one GPU per tensor-parallel worker)"
+            )
 
     def _check_dynamic_sampling(self) -> None:
         a = self.algorithm

@@ -167,3 +167,12 @@ def test_laconic_warns_above_the_safe_ceiling_and_auto_resolves_to_it():
         load_config(None, [*on, "algorithm.laconic.lam_max=5"])  # ...but 5 is not
     cfg = load_config(None, [*on, "algorithm.laconic.lam_max=auto"])
     assert cfg.laconic_dual()["lam_max"] == pytest.approx(200 / 56)
+
+
+def test_tensor_parallel_engines_refuse_in_engine_state():
+    load_config("configs/tiny.yaml", ["resources.generator_tp=2"])
+    for preset in ("configs/tiny-duet.yaml", "configs/tiny-tandem.yaml"):
+        with pytest.raises(ConfigError, match="generator_tp > 1 cannot run DUET"):
+            load_config(preset, ["resources.generator_tp=2"])
+    with pytest.raises(ConfigError, match="generator_gpus=1 must equal resources.generator_tp=2"):
+        load_config(None, ["resources.generator_tp=2", "resources.generator_gpus=1"])

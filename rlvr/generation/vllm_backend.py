@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig
 from vllm import LLM
 from vllm import SamplingParams as VLLMSamplingParams
+from vllm import envs as vllm_envs
 from vllm.inputs import TokensPrompt
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     UnquantizedEmbeddingMethod,
@@ -115,6 +116,8 @@ class VLLMBackend:
     """
 
     _open_engines = 0
+    _thread_bind: str | None = None
+    """The CPU thread binding this class last set (one set by the user is left alone)."""
     """In-process engines of this process not yet closed (they share torch.distributed state)."""
 
     def __init__(
@@ -140,15 +143,34 @@ class VLLMBackend:
         process's cores). junior_path adds Tandem's frozen junior (its tokenizer must equal the
         senior's). engine_kwargs go to `vllm.LLM` unchanged (e.g. tensor_parallel_size, max_num_seqs).
         """
+        # vLLM freezes its environment once an engine of this process starts; this engine's own
+        # settings below (its thread binding, for tensor parallelism) must be read afresh.
+        vllm_envs.disable_envs_cache()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # The logits processors here implement the V1 runner's interface; where Triton exists
         # (GPUs) vLLM would otherwise pick Model Runner V2, which refuses V1-interface processors.
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        if current_platform.is_cpu() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            # vLLM's automatic binding keeps one core free for a separate scheduler process; the
-            # engine core runs in this process, so bind the compute threads to all given cores.
+        if current_platform.is_cpu():
+            # CPU attention may split one row's KV range in chunks chosen from the whole batch's
+            # lengths, so a row's log-probs would depend on its neighbours (last-bit differences):
+            # unsplit, M engines sample exactly what one engine does.
+            os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
+        tp = int(engine_kwargs.get("tensor_parallel_size", 1))
+        if tp > 1:
+            # Tensor-parallel workers are processes of their own (vLLM's multiprocessing executor).
+            engine_kwargs.setdefault("distributed_executor_backend", "mp")
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        if current_platform.is_cpu() and bind in (None, VLLMBackend._thread_bind):
+            # vLLM's automatic binding keeps one core free for a separate scheduler process and
+            # needs a NUMA node per TP worker; the engine core runs in this process, so bind the
+            # compute threads to all given cores, split in one contiguous share per worker.
             cores = sorted(os.sched_getaffinity(0))[: cpu_threads or None]
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+            if len(cores) < tp:
+                raise ValueError(f"tensor_parallel_size={tp} needs a core per worker: {cores}")
+            shares = [cores[len(cores) * i // tp : len(cores) * (i + 1) // tp] for i in range(tp)]
+            VLLMBackend._thread_bind = "|".join(",".join(str(c) for c in share) for share in shares)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = VLLMBackend._thread_bind
+        self.tensor_parallel = tp
         self.model_path = Path(model_path)
         if kv_cache_gib is not None:
             engine_kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
@@ -347,6 +369,9 @@ class VLLMBackend:
         engine only the senior is reloaded; the junior keeps its weights.
         """
         weights = checked_weights(named_tensors, names, self._required_names, self._allowed_names)
+        if self.tensor_parallel > 1:
+            # Tensor-parallel workers receive the weights pickled: a stream cannot travel.
+            weights = list(weights)
         llm = self.llm
         if self.junior_path is None:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})

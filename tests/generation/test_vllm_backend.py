@@ -3,6 +3,7 @@ inside the engine, in-place weight loading; and the logits processor's row bookk
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -261,3 +262,32 @@ def test_trainer_logprobs_at_the_sampling_temperature_match_the_engine(engine, h
         compared = batch.response_mask & (batch.rollout_logp != 0)
         assert (batch.rollout_logp - tempered)[compared].min() > -1e-4
         assert stats["engine_kl"] > 0
+
+
+def test_tensor_parallel_engine_samples_and_loads_what_one_worker_does(engine, tiny_model_dir):
+    """Two tensor-parallel workers (processes of their own, one core each) sample the same tokens
+    and score the same log-probs as the one-worker engine, before and after a weight load."""
+    tp = make_backend("vllm", tiny_model_dir, tensor_parallel_size=2, **ENGINE)
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=12, seed=0)
+        requests = [GenerationRequest(p, n=2, request_id=str(i)) for i, p in enumerate(PROMPTS)]
+        assert _token_ids(tp.generate(requests, params)) == _token_ids(
+            engine.generate(requests, params)
+        )
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        scaled = {name: p.detach() * 1.01 for name, p in model.named_parameters()}
+        sequences, positions = [PROMPTS[1]], [[2, 3, 4, 5, 6]]
+        before = engine.score_logprobs(sequences, positions)
+        try:
+            tp.load_weights(scaled.items())
+            engine.load_weights(scaled.items())
+            after = tp.score_logprobs(sequences, positions)
+            # row-parallel layers (o_proj, down_proj) add two partial sums: fp32 rounding only
+            np.testing.assert_allclose(
+                after, engine.score_logprobs(sequences, positions), atol=1e-5
+            )
+            assert not np.allclose(after, before, atol=1e-3)
+        finally:
+            engine.load_weights(model.named_parameters())
+    finally:
+        tp.close()
