@@ -1,10 +1,14 @@
-"""Median GRPO step time, its split, and the overhead of the actor layer.
+"""Median GRPO step time, its split, and the overhead of the actor layer and of scale-out layouts.
 
 The same step code (`workflows.train.Trainer.step`) runs through Ray actors and with the same
-backends called in this process; the two run alternately, step by step, so both see the same
-machine load. Overhead = (actor step - in-process step) / actor step, on medians.
+backends called in this process; all modes run alternately, step by step, so they see the same
+machine load. Overhead = (actor step - in-process step) / actor step, on medians. `--layouts`
+adds actor runs with R policy ranks and E engines ("2x2"); every layout must generate the same
+tokens and reach the same reward as the others (on a 2-core machine this shows their overhead and
+correctness, not a speed-up).
 
     .venv/bin/python bench/step_breakdown.py --preset tiny --steps 6
+    .venv/bin/python bench/step_breakdown.py --preset tiny --steps 4 --layouts 1x1 2x2
     .venv/bin/python bench/step_breakdown.py --preset smollm2 --steps 4
 """
 
@@ -27,7 +31,21 @@ PRESETS = {
 PARTS = ("time_generate", "time_verify", "time_train", "time_sync", "time_overhead", "time_step")
 
 
-def run(preset: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, dict[str, float]]:
+def layout_overrides(layout: str) -> list[str]:
+    """Config overrides of an "RxE" layout: R policy ranks and E engines sharing the machine."""
+    ranks, engines = (int(x) for x in layout.split("x"))
+    share = 1.0 / (ranks + engines)
+    return [
+        f"resources.policy_ranks={ranks}",
+        f"resources.generator_engines={engines}",
+        f"resources.policy_cpus={share:g}",
+        f"resources.generator_cpus={share:g}",
+    ]
+
+
+def run(
+    preset: str, steps: int, warmup: int, overrides: list[str], layouts: list[str]
+) -> dict[str, dict[str, float]]:
     import ray
     from transformers import AutoTokenizer
 
@@ -41,13 +59,20 @@ def run(preset: str, steps: int, warmup: int, overrides: list[str]) -> dict[str,
     model_dir, train_problems, test_problems = prepare(cfg)
     init_ray(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    modes = {"actors": cfg, "in-process": cfg}
+    for layout in layouts:
+        modes[f"actors {layout}"] = load_config(
+            PRESETS[preset], ["run.eval_every=0", *overrides, *layout_overrides(layout)]
+        )
     trainers = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("actors", "in-process"):
-            run_dir = RunDir(Path(tmp) / mode)
-            run_dir.create(cfg.to_dict())
-            comps = start_components(cfg, model_dir, use_actors=mode == "actors")
-            trainers[mode] = Trainer(cfg, run_dir, comps, tokenizer, train_problems, test_problems)
+        for mode, mode_cfg in modes.items():
+            run_dir = RunDir(Path(tmp) / mode.replace(" ", "-"))
+            run_dir.create(mode_cfg.to_dict())
+            comps = start_components(mode_cfg, model_dir, use_actors=mode != "in-process")
+            trainers[mode] = Trainer(
+                mode_cfg, run_dir, comps, tokenizer, train_problems, test_problems
+            )
         samples: dict[str, list[dict]] = {m: [] for m in trainers}
         for step in range(warmup + steps):
             for mode, trainer in trainers.items():
@@ -58,23 +83,27 @@ def run(preset: str, steps: int, warmup: int, overrides: list[str]) -> dict[str,
             trainer.comps.shutdown()
     ray.shutdown()
     return {
-        mode: {p: statistics.median(m[p] for m in ms) for p in (*PARTS, "tokens_generated")}
+        mode: {
+            **{p: statistics.median(m[p] for m in ms) for p in PARTS},
+            "tokens_generated": sum(m["tokens_generated"] for m in ms),
+            "reward_mean": statistics.fmean(m["reward_mean"] for m in ms),
+        }
         for mode, ms in samples.items()
     }
 
 
 def format_table(preset: str, result: dict[str, dict[str, float]]) -> str:
     head = (
-        f"{'model':8s} {'mode':11s} "
+        f"{'model':8s} {'mode':13s} "
         + " ".join(f"{p.removeprefix('time_'):>9s}" for p in PARTS)
-        + "   tokens"
+        + "   tokens  reward"
     )
     lines = [head]
     for mode, r in result.items():
         lines.append(
-            f"{preset:8s} {mode:11s} "
+            f"{preset:8s} {mode:13s} "
             + " ".join(f"{r[p]:9.2f}" for p in PARTS)
-            + f" {r['tokens_generated']:8.0f}"
+            + f" {r['tokens_generated']:8.0f} {r['reward_mean']:7.4f}"
         )
     a, b = result["actors"]["time_step"], result["in-process"]["time_step"]
     lines.append(
@@ -89,9 +118,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="measured steps per mode (median)")
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured first steps per mode")
     ap.add_argument("--set", action="append", default=[], help="config override")
+    ap.add_argument(
+        "--layouts", nargs="*", default=[], help='scale-out layouts "RxE" (policy ranks x engines)'
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="where the JSON result goes")
     args = ap.parse_args()
-    result = run(args.preset, args.steps, args.warmup, args.set)
+    result = run(args.preset, args.steps, args.warmup, args.set, args.layouts)
     table = format_table(args.preset, result)
     print(table)
     out = Path(args.out)
