@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -31,10 +32,9 @@ PRESETS = {
 PARTS = ("time_generate", "time_verify", "time_train", "time_sync", "time_overhead", "time_step")
 
 
-def layout_overrides(layout: str) -> list[str]:
-    """Config overrides of an "RxE" layout: R policy ranks and E engines sharing the machine."""
+def layout_overrides(layout: str, share: float) -> list[str]:
+    """Config overrides of an "RxE" layout: R policy ranks and E engines, `share` CPUs each."""
     ranks, engines = (int(x) for x in layout.split("x"))
-    share = 1.0 / (ranks + engines)
     return [
         f"resources.policy_ranks={ranks}",
         f"resources.generator_engines={engines}",
@@ -60,10 +60,18 @@ def run(
     init_ray(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     modes = {"actors": cfg, "in-process": cfg}
-    for layout in layouts:
-        modes[f"actors {layout}"] = load_config(
-            PRESETS[preset], ["run.eval_every=0", *overrides, *layout_overrides(layout)]
-        )
+    if layouts:
+        # every mode's actors live at once: they share the machine's CPUs in the reservations
+        bundles = 2 + sum(int(r) + int(e) for r, e in (x.split("x") for x in layouts))
+        share = (os.cpu_count() or 1) / bundles
+        base = ["run.eval_every=0", *overrides]
+        modes["actors"] = load_config(PRESETS[preset], [*base, *layout_overrides("1x1", share)])
+        for layout in layouts:
+            # its own run name: actor and placement group names are per run
+            modes[f"actors {layout}"] = load_config(
+                PRESETS[preset],
+                [*base, *layout_overrides(layout, share), f"run.name={cfg.run.name}-{layout}"],
+            )
     trainers = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode, mode_cfg in modes.items():
