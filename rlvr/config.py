@@ -468,7 +468,10 @@ class ResourcesConfig(Section):
     torch_threads: int = Field(
         0,
         ge=0,
-        description="Torch threads per model actor (0: all cores; phases run one at a time).",
+        description=(
+            "Torch threads per model actor (0: the cores shared by the actors of one role that "
+            "compute at once, all of them with one rank and one engine)."
+        ),
     )
     policy_resources: dict[str, float] = Field(
         default_factory=dict,

@@ -47,8 +47,11 @@ class Components:
         self._cleanup.clear()
 
 
-def torch_threads(cfg: Config) -> int:
-    return cfg.resources.torch_threads or os.cpu_count() or 1
+def torch_threads(cfg: Config, concurrent: int = 1) -> int:
+    """Torch threads per model actor: `resources.torch_threads`, else this machine's cores shared
+    by the `concurrent` actors of one role that compute at once (policy ranks train together,
+    engines generate together; the phases of a step take turns)."""
+    return cfg.resources.torch_threads or max(1, (os.cpu_count() or 1) // concurrent)
 
 
 def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
@@ -81,7 +84,7 @@ def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         "loss": "dro" if dro.enabled else "grpo",
         "rho_ent": dro.rho_ent,
         "tandem": cfg.algorithm.tandem.enabled,
-        "threads": torch_threads(cfg),
+        "threads": torch_threads(cfg, cfg.resources.policy_ranks),
     }
 
 
@@ -97,7 +100,7 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
             max_model_len=g.max_model_len,
             kv_cache_gib=g.kv_cache_gib,
             seed=cfg.run.seed,
-            cpu_threads=torch_threads(cfg),
+            cpu_threads=torch_threads(cfg, cfg.resources.generator_engines),
             enforce_eager=g.enforce_eager,
         )
         if cfg.resources.generator_tp > 1:
@@ -105,7 +108,7 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
     tandem = tandem_rollouts.generator_settings(cfg, model_dir)
     if tandem is not None:
         kw["tandem"] = tandem
-    kw["threads"] = torch_threads(cfg)
+    kw["threads"] = torch_threads(cfg, cfg.resources.generator_engines)
     return kw
 
 
