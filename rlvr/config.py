@@ -497,6 +497,14 @@ class ResourcesConfig(Section):
         """Bundles of the run's placement group: one per policy rank and one per engine."""
         return self.policy_ranks + self.generator_engines
 
+    def policy_bundle(self) -> dict[str, float]:
+        """One policy rank's bundle of the run's placement group."""
+        return _bundle(self.policy_cpus, self.policy_gpus, self.policy_resources)
+
+    def generator_bundle(self) -> dict[str, float]:
+        """One engine's bundle of the run's placement group."""
+        return _bundle(self.generator_cpus, self.generator_gpus, self.generator_resources)
+
     def demand(self, verifiers: bool = True) -> dict[str, float]:
         """Every resource the run's actors reserve, summed (`verifiers`: with the verifier pool,
         which sits outside the model actors' placement group)."""
@@ -506,20 +514,18 @@ class ResourcesConfig(Section):
             for key, value in resources.items():
                 need[key] = need.get(key, 0.0) + value * times
 
-        add(
-            {"CPU": self.policy_cpus, "GPU": self.policy_gpus, **self.policy_resources},
-            self.policy_ranks,
-        )
-        add(
-            {"CPU": self.generator_cpus, "GPU": self.generator_gpus, **self.generator_resources},
-            self.generator_engines,
-        )
+        add(self.policy_bundle(), self.policy_ranks)
+        add(self.generator_bundle(), self.generator_engines)
         if verifiers:
             add({"CPU": self.verifier_cpus}, self.num_verifiers)
         return {k: v for k, v in need.items() if v > 0}
 
     def total_cpus(self) -> float:
         return self.demand().get("CPU", 0.0)
+
+
+def _bundle(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **custom}
 
 
 class SyncConfig(Section):

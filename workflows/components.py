@@ -20,7 +20,7 @@ from actors.generator import GeneratorActor
 from actors.policy import PolicyActor
 from actors.verifier import VerifierActor, VerifierPool
 from rlvr import tandem_rollouts
-from rlvr.config import Config, ResourcesConfig
+from rlvr.config import Config
 from workflows.generator_pool import GeneratorPool
 from workflows.policy_group import PolicyGroup, rank_environments
 from workflows.weight_sync import WeightSync, make_weight_sync
@@ -138,7 +138,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         )
 
     r = cfg.resources
-    bundles = [policy_bundle(r)] * r.policy_ranks + [generator_bundle(r)] * r.generator_engines
+    bundles = [r.policy_bundle()] * r.policy_ranks + [r.generator_bundle()] * r.generator_engines
     pg = placement_group(bundles, strategy=r.placement_strategy, name=f"rlvr-{cfg.run.name}")
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -181,7 +181,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                 r.policy_gpus,
                 {**policy_kwargs(cfg, model_dir), "distributed": env},
             ),
-            "PolicyActor",
+            "PolicyActor" if ranks == 1 else f"PolicyActor {rank}",
         )
         for rank, env in enumerate(rank_environments(ranks, pg, bundle=0))
     ]
@@ -254,22 +254,4 @@ def placement_layout(pg: PlacementGroup, ranks: int, engines: int) -> dict[str, 
     return {
         name: {"node_id": nodes[b], "node_ip": addresses.get(nodes[b], "")}
         for b, name in enumerate(names)
-    }
-
-
-def policy_bundle(r: ResourcesConfig) -> dict[str, float]:
-    """One policy rank's share of the placement group (plus `resources.policy_resources`)."""
-    return {
-        "CPU": r.policy_cpus,
-        **({"GPU": r.policy_gpus} if r.policy_gpus else {}),
-        **r.policy_resources,
-    }
-
-
-def generator_bundle(r: ResourcesConfig) -> dict[str, float]:
-    """One engine's share of the placement group (plus `resources.generator_resources`)."""
-    return {
-        "CPU": r.generator_cpus,
-        **({"GPU": r.generator_gpus} if r.generator_gpus else {}),
-        **r.generator_resources,
     }

@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlvr.training.batch import TrainBatch
 from rlvr.training.data_parallel import shard_batch, shard_sequences
-from workflows.workers import ActorFailure, Worker
+from workflows.workers import Worker
 
 
 @dataclass
@@ -39,6 +39,8 @@ class PolicyGroup:
     def __init__(self, workers: Sequence[Worker], mini_batches: int = 1):
         if not workers:
             raise ValueError("a PolicyGroup needs at least one rank")
+        if len({w.name for w in workers}) != len(workers):
+            raise ValueError(f"rank names must differ: {[w.name for w in workers]}")
         self.workers = list(workers)
         self.mini_batches = mini_batches
 
@@ -55,16 +57,12 @@ class PolicyGroup:
         return _Pending(futures, lambda answers: answers[0])
 
     def get(self, pending: _Pending, step: int | None = None) -> Any:
-        answers = []
-        for rank, (worker, future) in enumerate(zip(self.workers, pending.futures, strict=True)):
-            try:
-                answers.append(worker.get(future, step=step))
-            except ActorFailure as err:
-                if self.world_size == 1:
-                    raise
-                raise ActorFailure(
-                    str(err).replace(worker.name, f"{worker.name} {rank}", 1)
-                ) from err
+        """Every rank's answer merged; a crashed rank raises under its Worker's name, so the
+        names must differ ("PolicyActor 0", "PolicyActor 1", ...)."""
+        answers = [
+            worker.get(future, step=step)
+            for worker, future in zip(self.workers, pending.futures, strict=True)
+        ]
         return pending.merge(answers)
 
     def run(self, method: str, *args: Any, step: int | None = None, **kwargs: Any) -> Any:

@@ -47,7 +47,8 @@ def _group(model_dir, ranks: int, zero_stage: int, loss_agg: str) -> tuple[Polic
     }
     actor = ray.remote(PolicyActor).options(num_cpus=0.1)
     handles = [actor.remote(**kwargs, distributed=env) for env in rank_environments(ranks)]
-    group = PolicyGroup([Worker(h, "PolicyActor") for h in handles], MINI_BATCHES)
+    names = ["PolicyActor"] if ranks == 1 else [f"PolicyActor {r}" for r in range(ranks)]
+    group = PolicyGroup([Worker(h, n) for h, n in zip(handles, names, strict=True)], MINI_BATCHES)
     group.run("ready")
     return group, handles
 

@@ -68,7 +68,7 @@ def _policy(model_dir, ranks: int, **overrides) -> tuple[PolicyGroup, list]:
         actor.remote(str(model_dir), threads=1, distributed=env, **kwargs)
         for env in rank_environments(ranks)
     ]
-    group = PolicyGroup([Worker(h, "PolicyActor") for h in handles])
+    group = PolicyGroup([Worker(h, f"PolicyActor {r}") for r, h in enumerate(handles)])
     group.run("ready")
     return group, handles
 
