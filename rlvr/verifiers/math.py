@@ -8,6 +8,7 @@ thread enforces a hard deadline: a worker that misses it is killed and replaced.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -161,9 +162,14 @@ class _Worker:
         return float(reward), str(status)
 
     def kill(self) -> None:
-        """SIGKILL the process and close its pipes (only from the thread that owns the worker)."""
+        """SIGKILL the process and close its pipes (only from the thread that owns the worker).
+
+        Closing stdin flushes whatever a failed `compare` left buffered into a pipe whose reader
+        is gone; that BrokenPipeError is expected and the descriptor is closed regardless.
+        """
         _kill(self.proc)
-        self.proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):
+            self.proc.stdin.close()
         self.proc.stdout.close()
 
 

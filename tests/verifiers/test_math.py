@@ -10,7 +10,7 @@ import psutil
 import pytest
 from math_verify import parse, verify
 
-from rlvr.verifiers.math import MathVerifier, _plain_int_result, verify_math
+from rlvr.verifiers.math import MathVerifier, _plain_int_result, _Worker, verify_math
 
 TIMEOUT = 1.0  # per-call timeout for the pathological cases
 MARGIN = 3.0  # kill + reap + a loaded CPU; a hang would overshoot by far more
@@ -165,6 +165,16 @@ def test_dead_worker_scores_error_and_is_replaced():
     assert _worker_pids() == before
     with pytest.raises(RuntimeError, match="closed"):
         v.verify(r"\boxed{\frac{1}{2}}", "0.5")
+
+
+def test_killing_a_dead_worker_with_unflushed_input_closes_its_pipes():
+    # A request buffered in stdin when the process died makes close() flush into a broken pipe.
+    worker = _Worker(memory_limit_mb=None)
+    worker.proc.kill()
+    worker.proc.wait()
+    worker.proc.stdin.write(b"[1, 2]\n")
+    worker.kill()
+    assert worker.proc.stdin.closed and worker.proc.stdout.closed
 
 
 def test_module_level_verify_math():
