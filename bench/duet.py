@@ -1,5 +1,6 @@
 """GRPO vs DUET (and its allocator-only / abort-only ablations) and DAPO dynamic sampling at
-token budgets b = 1, 0.5, 0.25 on the arithmetic task, for the tiny model or SmolLM2-135M.
+token budgets b = 1, 0.5, 0.25 on the arithmetic task, for the tiny model or SmolLM2-135M,
+each from its DUET preset (configs/tiny-duet.yaml, configs/smollm2-duet.yaml).
 
 Every variant gets its own actors (0.2 CPU reserved, about 1.5 GiB of memory with the tiny
 model) and the variants step in turn, step by step, starting with a different one each step, so
@@ -58,30 +59,20 @@ class Preset:
     steps: int
     seeds: list[int]
     n_train: int
-    duet: list[str]
-    """DUET's stop-rule and K-window settings scaled to the preset's max_tokens."""
     variants: list[str]
     """Default variants (the full list is `VARIANT_NAMES`)."""
 
 
 PRESETS = {
-    # The digest's small-scale settings (section 11 F2: G 8, poll 2, W 256, N 5 at L_max 96),
-    # scaled to the tiny preset's 48 tokens. 32 prompts at 8 per step: a prompt recurs every 4
-    # steps.
+    # configs/tiny-duet.yaml: the digest's small-scale settings (section 11 F2: G 8, poll 2,
+    # W 256, N 5 at L_max 96) scaled to 48 tokens. 32 prompts at 8 per step: a prompt recurs
+    # every 4 steps.
     "tiny": Preset(
-        label="Tiny model",
-        config=ROOT / "configs" / "tiny.yaml",
+        label="Tiny model (configs/tiny-duet.yaml)",
+        config=ROOT / "configs" / "tiny-duet.yaml",
         steps=12,
         seeds=[0, 1, 2],
         n_train=32,
-        duet=[
-            "algorithm.duet.grace=4",
-            "algorithm.duet.poll_every=2",
-            "algorithm.duet.length_window=256",
-            "algorithm.duet.refit_every=5",
-            "algorithm.duet.k1_min=8",
-            "algorithm.duet.k2_gap=8",
-        ],
         variants=[
             "grpo b=1",
             "grpo b=0.5",
@@ -94,40 +85,32 @@ PRESETS = {
             "dapo b=1",
         ],
     ),
-    # SmolLM2-135M with LoRA (configs/smollm2-arith.yaml, max_tokens 96): 45-60 s per step of 64
-    # samples on 2 cores, so 4 steps and one seed by default. The paper's defaults scaled by
-    # 96 / 3072 (its L_max): grace 150 -> 4.7, rounded up to 5 tokens (room for the closing
-    # sentence after \boxed{}); poll 8 -> 0.25, i.e. every token (the decode of <= 96 tokens is
-    # cheap next to a 135M forward); k1_min 32 -> 1; k2_gap 50 -> 1.6 -> 2. The K-window is one
-    # full-budget step of rollouts (the paper's W = 1024 = 128 prompts x 8) and refits every 2
-    # steps, so K1/K2 leave their cold values (0.3 / 0.7 of 96) once within 4 steps. 16 prompts
-    # at 8 per step: every prompt recurs from step 2 on, where the allocator starts to act.
+    # configs/smollm2-duet.yaml: SmolLM2-135M with LoRA, max_tokens 96, the paper's sampling and
+    # stop-rule settings scaled by 96 / 3072 (the preset explains each); 45-60 s per step of 64
+    # samples on 2 cores, so 4 steps and one seed by default. 16 prompts at 8 per step: every
+    # prompt recurs from step 2 on, where the allocator starts to act.
     "smollm2": Preset(
-        label="SmolLM2-135M-Instruct (LoRA)",
-        config=ROOT / "configs" / "smollm2-arith.yaml",
+        label="SmolLM2-135M-Instruct (LoRA, configs/smollm2-duet.yaml)",
+        config=ROOT / "configs" / "smollm2-duet.yaml",
         steps=4,
         seeds=[0],
         n_train=16,
-        duet=[
-            "algorithm.duet.grace=5",
-            "algorithm.duet.poll_every=1",
-            "algorithm.duet.length_window=64",
-            "algorithm.duet.refit_every=2",
-            "algorithm.duet.k1_min=1",
-            "algorithm.duet.k2_gap=2",
-        ],
         variants=["grpo b=1", "grpo b=0.5", "duet b=0.5"],
     ),
 }
 
 
-def variants(preset: Preset) -> dict[str, tuple[str, float, list[str]]]:
-    """Every variant: name -> (method, budget fraction b, config overrides)."""
-    duet = ["algorithm.duet.enabled=true", f"algorithm.duet.n_ref={N_REF}", *preset.duet]
+def variants() -> dict[str, tuple[str, float, list[str]]]:
+    """Every variant: name -> (method, budget fraction b, config overrides).
+
+    Both presets enable DUET with its stop-rule settings; GRPO and DAPO switch it off and keep
+    the rest (sampling, KL, loss aggregation), so every variant trains the same objective."""
+    duet = ["algorithm.duet.enabled=true", f"algorithm.duet.n_ref={N_REF}"]
+    off = "algorithm.duet.enabled=false"
     return {
-        "grpo b=1": ("grpo", 1.0, [f"generation.group_size={N_REF}"]),
-        "grpo b=0.5": ("grpo", 0.5, [f"generation.group_size={N_REF // 2}"]),
-        "grpo b=0.25": ("grpo", 0.25, [f"generation.group_size={N_REF // 4}"]),
+        "grpo b=1": ("grpo", 1.0, [off, f"generation.group_size={N_REF}"]),
+        "grpo b=0.5": ("grpo", 0.5, [off, f"generation.group_size={N_REF // 2}"]),
+        "grpo b=0.25": ("grpo", 0.25, [off, f"generation.group_size={N_REF // 4}"]),
         "duet b=1": ("duet", 1.0, [*duet, "algorithm.duet.b=1"]),
         "duet b=0.5": ("duet", 0.5, [*duet, "algorithm.duet.b=0.5"]),
         "duet b=0.25": ("duet", 0.25, [*duet, "algorithm.duet.b=0.25"]),
@@ -142,12 +125,12 @@ def variants(preset: Preset) -> dict[str, tuple[str, float, list[str]]]:
         "dapo b=1": (
             "dapo",
             1.0,
-            [f"generation.group_size={N_REF}", "algorithm.dynamic_sampling.enabled=true"],
+            [off, f"generation.group_size={N_REF}", "algorithm.dynamic_sampling.enabled=true"],
         ),
     }
 
 
-VARIANT_NAMES = list(variants(PRESETS["tiny"]))
+VARIANT_NAMES = list(variants())
 CONTROLLER_KEYS = ("time_plan", "time_duet_state")
 
 
@@ -162,7 +145,7 @@ def run_seed(
     from workflows.components import start_components
     from workflows.train import Trainer, prepare
 
-    table = variants(preset)
+    table = variants()
     trainers: dict[str, Trainer] = {}
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -206,11 +189,9 @@ def run_seed(
     return out
 
 
-def summarize(
-    runs: dict[int, dict[str, Any]], warmup: int, preset: Preset
-) -> dict[str, dict[str, float]]:
+def summarize(runs: dict[int, dict[str, Any]], warmup: int) -> dict[str, dict[str, float]]:
     """Per variant: accuracy mean/sd over seeds, medians of per-step figures over seeds and steps."""
-    table = variants(preset)
+    table = variants()
     rows: dict[str, dict[str, float]] = {}
     for name in next(iter(runs.values())):
         method, b, _ = table[name]
@@ -356,7 +337,7 @@ def main() -> None:
         }
     finally:
         ray.shutdown()
-    rows = summarize(runs, args.warmup, preset)
+    rows = summarize(runs, args.warmup)
     table = format_table(rows, seeds, steps, preset.label)
     print(table)
     out = Path(args.out)
