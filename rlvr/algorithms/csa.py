@@ -18,9 +18,10 @@ from typing import Any, NamedTuple
 import numpy as np
 from sklearn.isotonic import IsotonicRegression
 
+from rlvr.algorithms.counter_rng import GOLDEN_GAMMA, mix64, unit_float
+
 GRID_FLOOR = 0.001
 GRID_CEILING = 0.8
-_MASK64 = (1 << 64) - 1
 _STATE_FORMAT = 1
 
 
@@ -198,11 +199,8 @@ class Decision(NamedTuple):
 
 
 def _uniform(seed: int, seq: int) -> float:
-    """Stateless U[0,1) draw from (seed, seq) by splitmix64: no RNG state to snapshot."""
-    z = (seed * 0x9E3779B97F4A7C15 + seq + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+    """Stateless U[0,1) draw from (seed, seq) by SplitMix64's mix: no RNG state to snapshot."""
+    return unit_float(mix64(seed * GOLDEN_GAMMA + seq + 1))
 
 
 class CSAController:

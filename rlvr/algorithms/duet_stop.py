@@ -10,8 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlvr.algorithms.counter_rng import splitmix64, unit_float
+
 MARKER_DOMAINS = ("math", "code", "qa")
-_MASK64 = (1 << 64) - 1
 
 _BOXED_OPEN = re.compile(r"\\boxed\s*\{")
 _MATH_PATTERNS = [
@@ -106,10 +107,7 @@ def coin(seed: int) -> float:
     A pure function of the seed (no generator object), cheap enough to run once per rollout
     inside the engine's sampling step.
     """
-    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return ((z ^ (z >> 31)) >> 11) / 2.0**53
+    return unit_float(splitmix64(seed))
 
 
 class StopController:

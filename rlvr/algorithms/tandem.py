@@ -5,8 +5,9 @@ that serves as the test oracle for the engine's fast path.
 Seeding contract (every path that claims equality with `tandem_generate_reference` must follow it):
 
 * Author coins are counter-based and independent of token sampling: draw r of a request (r = 0 is
-  the first author, r = k the k-th redraw) is `author_coin(seed, r)`, and the senior wins iff it is
-  < p. A state is therefore rebuilt exactly from (seed, emitted ids) with no generator to restore.
+  the first author, r = k the k-th redraw) is `counter_rng.uniform(seed, r)`, and the senior wins
+  iff it is < p. A state is therefore rebuilt exactly from (seed, emitted ids) with no generator to
+  restore.
 * Tokens come from one CPU `torch.Generator` seeded with the request seed. For every emitted token,
   whichever model wrote it, `sample_token` draws exactly one `exponential_` over the full logits row
   (float32, after temperature, top-k, top-p) and takes argmax(probs / noise): vLLM's native
@@ -20,14 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rlvr.algorithms.counter_rng import uniform
+
 SENIOR = 1
 JUNIOR = 0
 BYTE_LEVEL_SPACE = "\u0120"
 """The byte-level BPE leading-space marker `Ġ` that starts every word-initial token."""
 GREEDY_EPS = 1e-5
 """Temperatures below this decode greedily (vLLM's threshold)."""
-
-_MASK64 = (1 << 64) - 1
 
 NextTokenLogits = Callable[[list[int]], torch.Tensor]
 """A model as the oracle sees it: full context ids (prompt + response so far) -> logits `[vocab]`.
@@ -66,22 +67,6 @@ def require_same_vocab(senior_vocab: Mapping[str, int], junior_vocab: Mapping[st
         f"the junior's, {len(moved)} with different ids; e.g. "
         f"{sorted(only_senior)[:3]} / {sorted(only_junior)[:3]} / {sorted(moved)[:3]}"
     )
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def author_coin(seed: int, index: int) -> float:
-    """Uniform in [0, 1) for draw `index` of the request seeded `seed` (SplitMix64 of both).
-
-    Counter-based so that any draw is recomputable from (seed, index) alone, with the same value in
-    numpy uint64 arithmetic on any device: `u = (mix(mix(seed) ^ index) >> 11) * 2**-53`.
-    """
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (index & _MASK64)) >> 11) * 2.0**-53
 
 
 @dataclass
@@ -123,7 +108,7 @@ class WordSwitchSchedule:
 
     def draw(self, seed: int, index: int) -> int:
         """Author won by draw `index` of the request (SENIOR iff the coin is below p)."""
-        return SENIOR if author_coin(seed, index) < self.p else JUNIOR
+        return SENIOR if uniform(seed, index) < self.p else JUNIOR
 
     def replay(self, seed: int, emitted_ids: Sequence[int]) -> AuthorState:
         """The state after `emitted_ids`, equal to the step-by-step one (e.g. after preemption)."""

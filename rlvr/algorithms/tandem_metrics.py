@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from scipy.stats import spearmanr
 
-from rlvr.algorithms.tandem import JUNIOR, SENIOR, NextTokenLogits, author_coin, sample_token
+from rlvr.algorithms.counter_rng import uniform
+from rlvr.algorithms.tandem import JUNIOR, SENIOR, NextTokenLogits, sample_token
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -126,7 +127,7 @@ def handoff_rollouts(
     """Team chains in which senior and junior take turns at step boundaries (digest 5.2).
 
     The senior writes the first turn. `schedule="strict"` alternates after every turn;
-    `"stochastic"` lets the senior write the next turn iff `author_coin(seed, r) < p` after turn r
+    `"stochastic"` lets the senior write the next turn iff `uniform(seed, r) < p` after turn r
     (App. B.3). Each chain shares one budget between both models; a turn of chain i is asked for at
     most the rest of it with seed `seeds[i] + tokens used so far` [C]. A chain ends at EOS, when the
     budget is spent, or after `max_rounds` turns. Each round calls each writer once with the batch of
@@ -176,7 +177,7 @@ def handoff_rollouts(
                     if schedule == "strict":
                         writer_of[i] = 1 - author
                     else:
-                        writer_of[i] = SENIOR if author_coin(seeds[i], chain.rounds) < p else JUNIOR
+                        writer_of[i] = SENIOR if uniform(seeds[i], chain.rounds) < p else JUNIOR
                     still.append(i)
         active = sorted(still)
     return chains

@@ -15,8 +15,6 @@ from rlvr.algorithms.tandem import (
     SENIOR,
     SwitchCounters,
     WordSwitchSchedule,
-    _splitmix64,
-    author_coin,
     authorship_matrix,
     require_same_vocab,
     sample_token,
@@ -79,25 +77,6 @@ def test_vocabularies_must_match_exactly():
         require_same_vocab({"a": 0, "b": 1}, {"a": 2, "b": 1, "c": 0})
     with pytest.raises(ValueError, match="1 only in the junior"):
         require_same_vocab({"a": 0}, {"a": 0, "z": 1})
-
-
-# Coins
-
-
-def test_splitmix64_is_the_standard_one_and_coins_port_to_numpy_uint64():
-    assert _splitmix64(0) == 0xE220A8397B1DCDAF  # first output of SplitMix64 seeded with 0
-
-    def np_mix(x: np.ndarray) -> np.ndarray:
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-    seed, index = np.uint64(123456789), np.arange(50, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        u = (np_mix(np_mix(seed) ^ index) >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    np.testing.assert_array_equal(u, [author_coin(123456789, i) for i in range(50)])
-    assert all(0.0 <= x < 1.0 for x in u)
 
 
 # The state machine (digest 2.1), with redraw positions placed by hand

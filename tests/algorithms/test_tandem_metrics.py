@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlvr.algorithms.tandem import JUNIOR, SENIOR, author_coin
+from rlvr.algorithms.counter_rng import uniform
+from rlvr.algorithms.tandem import JUNIOR, SENIOR
 from rlvr.algorithms.tandem_metrics import (
     Turn,
     TurnRequest,
@@ -159,7 +160,7 @@ def test_stochastic_handoff_draws_the_next_writer_at_each_boundary():
     )
     for seed, chain in enumerate(chains[:20]):
         writers = [SENIOR] + [
-            SENIOR if author_coin(seed, r) < 0.5 else JUNIOR for r in range(1, rounds)
+            SENIOR if uniform(seed, r) < 0.5 else JUNIOR for r in range(1, rounds)
         ]
         assert chain.authorship == [w for w in writers for _ in range(2)]
     shares = np.array([c.senior_share for c in chains])
