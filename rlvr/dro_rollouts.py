@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from rlvr.algorithms import dro
-from rlvr.rollouts import Rollouts, group_rows
+from rlvr.algorithms.groups import group_rows
+from rlvr.rollouts import Rollouts
 from rlvr.tasks.base import Problem
 from rlvr.training.batch import TrainBatch, build_batch
 

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rlvr.algorithms.groups import group_rows
+
 
 def rollout_stats(
     rewards: Sequence[float],
@@ -41,9 +43,9 @@ def rollout_stats(
 
 def group_stats(rewards: Sequence[float], group_ids: Sequence[str]) -> dict[str, float]:
     """Share of groups whose rewards are all equal (they give GRPO no signal)."""
-    groups: dict[str, list[float]] = {}
-    for rew, g in zip(rewards, group_ids, strict=True):
-        groups.setdefault(g, []).append(rew)
+    if len(rewards) != len(group_ids):
+        raise ValueError(f"{len(rewards)} rewards for {len(group_ids)} group ids")
+    groups = {g: [rewards[i] for i in rows] for g, rows in group_rows(group_ids).items()}
     if not groups:
         return {}
     degenerate = [len(set(v)) <= 1 for v in groups.values()]

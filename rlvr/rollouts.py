@@ -15,17 +15,10 @@ import numpy as np
 import torch
 
 from rlvr.algorithms import duet
+from rlvr.algorithms.groups import group_rows
 from rlvr.algorithms.grpo import group_advantages
 from rlvr.generation.base import GenerationResult
 from rlvr.training.batch import TrainBatch, build_batch
-
-
-def group_rows(group_ids: Sequence[str]) -> dict[str, list[int]]:
-    """Row indices of each group, groups in order of first appearance."""
-    rows: dict[str, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        rows.setdefault(g, []).append(i)
-    return rows
 
 
 @dataclass
@@ -126,10 +119,13 @@ class Rollouts:
         return [len(r) for r in self.response_ids]
 
     def rewards_by_group(self) -> dict[str, list[float]]:
-        out: dict[str, list[float]] = {}
-        for g, r in zip(self.group_ids, self.rewards, strict=True):
-            out.setdefault(g, []).append(float(r))
-        return out
+        """Each group's rewards, groups in order of first appearance."""
+        if len(self.rewards) != len(self):
+            raise ValueError(f"{len(self.rewards)} rewards for {len(self)} rollouts")
+        return {
+            g: [float(self.rewards[i]) for i in rows]
+            for g, rows in group_rows(self.group_ids).items()
+        }
 
     def records(self, step: int, limit: int | None = None) -> list[dict[str, Any]]:
         """Plain dicts for logs and notebooks (prompt ids are omitted; the prompt id names them)."""

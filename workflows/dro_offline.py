@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rlvr.algorithms import dro
+from rlvr.algorithms.groups import group_rows
 from rlvr.config import Config
 from rlvr.dro_rollouts import (
     DroTokens,
@@ -27,7 +28,7 @@ from rlvr.dro_rollouts import (
 )
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
-from rlvr.rollouts import Rollouts, group_rows
+from rlvr.rollouts import Rollouts
 from rlvr.rundir import atomic_write_text
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt

@@ -23,6 +23,7 @@ import ray
 from actors.controller import NAMESPACE
 from actors.reference import ReferenceActor
 from rlvr.algorithms import dro
+from rlvr.algorithms.groups import group_rows
 from rlvr.config import Config
 from rlvr.dro_rollouts import (
     DroTokens,
@@ -35,7 +36,7 @@ from rlvr.dro_rollouts import (
     step_metrics,
 )
 from rlvr.models import cache_dir
-from rlvr.rollouts import Rollouts, group_rows
+from rlvr.rollouts import Rollouts
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import prompt_messages
 from rlvr.training.batch import TrainBatch

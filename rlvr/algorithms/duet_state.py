@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from rlvr.algorithms.groups import group_rows
+
 PromptId = int | str
 
 
@@ -124,15 +126,15 @@ class PromptState:
         if not (np.isfinite(adv).all() and np.isfinite(logp).all() and np.isfinite(length).all()):
             raise ValueError("advantages, logprob_sums and lengths must be finite")
 
-        members: dict[PromptId, list[int]] = {}
-        for i, q in enumerate(ids):
-            if q in members and members[q][-1] != i - 1:
+        members = group_rows(ids)
+        for i in range(1, len(ids)):
+            q = ids[i]
+            if q != ids[i - 1] and members[q][0] < i:
                 # Two groups of one prompt in a step would merge into one surrogate observation.
                 raise ValueError(
                     f"prompt {q!r} has two separate runs of rollouts in one step: a step holds "
                     "each prompt once, its rollouts next to each other"
                 )
-            members.setdefault(q, []).append(i)
         observed: dict[PromptId, float] = {}
         for q, rows in members.items():
             entry = self._entries.pop(q, None) or _PromptEntry()

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rlvr.algorithms.groups import group_rows
+
 __all__ = ["RoundOutcome", "informative_groups", "refill_indices", "sift_round"]
 
 
@@ -26,9 +28,7 @@ def informative_groups(
     """
     if len(rewards) != len(group_ids):
         raise ValueError(f"{len(rewards)} rewards for {len(group_ids)} group ids")
-    groups: dict[Hashable, list[float]] = {}
-    for g, r in zip(group_ids, rewards, strict=True):
-        groups.setdefault(g, []).append(float(r))
+    groups = {g: [float(rewards[i]) for i in rows] for g, rows in group_rows(group_ids).items()}
     informative = [g for g, rs in groups.items() if min(rs) != max(rs)]
     equal = [g for g, rs in groups.items() if min(rs) == max(rs)]
     return informative, equal

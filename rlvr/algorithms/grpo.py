@@ -11,6 +11,8 @@ from collections.abc import Callable, Hashable, Sequence
 import numpy as np
 import torch
 
+from rlvr.algorithms.groups import group_rows
+
 AdvantageScale = Callable[[float, float], float]
 LossAggregation = Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor]
 
@@ -83,11 +85,8 @@ def group_advantages(
             f"rewards must be [batch] matching group_ids, got {r.shape} vs {len(group_ids)}"
         )
 
-    members: dict[Hashable, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        members.setdefault(g, []).append(i)
     adv = np.zeros_like(r)
-    for idx in members.values():
+    for idx in group_rows(group_ids).values():
         group = r[idx]
         if len(idx) == 1:
             adv[idx] = group if singleton == "reward" else 0.0
