@@ -832,23 +832,38 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), yaml.safe_load(raw) if raw else ""
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `--set` overrides to a nested dict; an unknown path fails naming the key."""
-    known = Config().to_dict()
+def apply_overrides(
+    data: dict[str, Any], overrides: list[str], check_keys: bool = True, kind: str = "config"
+) -> dict[str, Any]:
+    """Apply `--set a.b=c` overrides to raw YAML data; errors read "invalid {kind}: KEY: why".
+
+    With `check_keys` a path outside the training `Config` fails here naming the key (its
+    sections hold no list items); without, unknown keys are left to the caller's validation and
+    list items are addressed by index (serve's csa.streams.0.alpha).
+    """
+    known = Config().to_dict() if check_keys else None
+    sections = dict if check_keys else dict | list
     for item in overrides:
         path, value = parse_override(item)
-        node, schema = data, known
+        node: Any = data
+        schema = known
         for i, part in enumerate(path):
             dotted = ".".join(path[: i + 1])
-            if not isinstance(schema, dict) or part not in schema:
-                raise ConfigError(f"invalid config: {dotted}: unknown key")
-            schema = schema[part]
+            if check_keys:
+                if not isinstance(schema, dict) or part not in schema:
+                    raise ConfigError(f"invalid {kind}: {dotted}: unknown key")
+                schema = schema[part]
+            key: str | int = part
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"invalid {kind}: {dotted}: no such list item")
+                key = int(part)
             if i == len(path) - 1:
-                node[part] = value
+                node[key] = value
             else:
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise ConfigError(f"invalid config: {dotted}: is not a section")
+                node = node[key] if isinstance(node, list) else node.setdefault(part, {})
+                if not isinstance(node, sections):
+                    raise ConfigError(f"invalid {kind}: {dotted}: is not a section")
     return data
 
 

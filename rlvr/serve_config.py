@@ -14,8 +14,8 @@ from pydantic import Field, ValidationError, model_validator
 from rlvr.config import (
     ConfigError,
     Section,
+    apply_overrides,
     format_validation_error,
-    parse_override,
     read_yaml_sections,
 )
 from rlvr.csa_service import STREAM_NAME
@@ -145,37 +145,16 @@ class ServeConfig(Section):
         return self.model_dump(mode="json")
 
 
-def _apply_override(data: dict[str, Any], item: str) -> None:
-    """Set `a.b=c` in the raw YAML data; list items are addressed by index (csa.streams.0.alpha)."""
-    path, value = parse_override(item)
-    node: Any = data
-    for i, part in enumerate(path):
-        last = i == len(path) - 1
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(
-                    f"invalid serve config: {'.'.join(path[: i + 1])}: no such list item"
-                )
-            if last:
-                node[int(part)] = value
-            else:
-                node = node[int(part)]
-        elif isinstance(node, dict):
-            if last:
-                node[part] = value
-            else:
-                node = node.setdefault(part, {})
-        else:
-            raise ConfigError(f"invalid serve config: {'.'.join(path[:i])}: is not a section")
-
-
 def load_serve_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> ServeConfig:
     """Load a serve YAML (or the defaults), apply `a.b=c` overrides, validate naming bad keys."""
-    data = read_yaml_sections(path, kind="serve config")
-    for item in overrides or []:
-        _apply_override(data, item)
+    data = apply_overrides(
+        read_yaml_sections(path, kind="serve config"),
+        overrides or [],
+        check_keys=False,
+        kind="serve config",
+    )
     try:
         return ServeConfig.model_validate(data)
     except ValidationError as err:
