@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlvr.algorithms.csa import CSAController, CSAError
-from rlvr.rundir import atomic_write_text
+from rlvr.run.files import atomic_write_text, fsync_dir
 
 STREAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SEQ_BLOCK = 1024
@@ -94,21 +94,11 @@ class StreamSpec:
         return cls(**d)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_record(path: Path, body: dict[str, Any]) -> None:
     """Durably replace `path` by `body` with a checksum line (torn or altered files are detected)."""
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(text.encode()).hexdigest()
     atomic_write_text(path, f"{digest}\n{text}\n")
-    # The rename itself is durable only once the directory entry is flushed.
-    _fsync_dir(path.parent)
 
 
 def read_record(path: Path) -> dict[str, Any]:
@@ -419,7 +409,7 @@ class CSAStreamHost:
             created = not path.exists()
             f = self._journals[stream.name] = open(path, "ab")  # noqa: SIM115 (kept open)
             if created:
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
         return f
 
     def _append(self, stream: _Stream, entry: dict[str, Any]) -> None:

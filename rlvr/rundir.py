@@ -17,17 +17,9 @@ from typing import Any
 
 import yaml
 
+from rlvr.run.files import atomic_write_text
+
 STEP_PREFIX = "step_"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file so that readers see the old or the new content, never a torn one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class RunDir:

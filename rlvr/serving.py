@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from rlvr.algorithms.csa import Calibrator, majority_answer, make_grid
-from rlvr.rundir import atomic_write_text
+from rlvr.run.files import atomic_write_text
 from rlvr.tasks.prompts import DEFAULT_INSTRUCTION
 from rlvr.verifiers.extract import extract_answer
 

@@ -29,7 +29,7 @@ from rlvr.dro_rollouts import (
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.rollouts import Rollouts
-from rlvr.rundir import atomic_write_text
+from rlvr.run.files import atomic_write_text
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from workflows.components import generator_kwargs

@@ -21,6 +21,7 @@ import numpy as np
 
 from rlvr.algorithms.dro import MAX_RUBRIC_ITEMS, parse_rubric_items, parse_rubric_judgment
 from rlvr.generation.base import GenerationBackend, GenerationRequest, SamplingParams
+from rlvr.run.files import atomic_write_text
 
 MAX_ATTEMPTS = 3
 """Rubric generations per query: the first and up to two regenerations (`dro.md` A14)."""
@@ -173,9 +174,7 @@ def save_rubrics(path: str | Path, rubrics: dict[str, RubricSet]) -> None:
             for qid, r in rubrics.items()
         },
     }
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=1))
 
 
 def load_rubrics(path: str | Path) -> dict[str, RubricSet]:
