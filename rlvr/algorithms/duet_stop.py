@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlvr.algorithms.counter_rng import splitmix64, unit_float
+from rlvr.verifiers.extract import matched_group
 
 MARKER_DOMAINS = ("math", "code", "qa")
 
@@ -34,24 +35,10 @@ def _has_closed_boxed(text: str) -> bool:
     r"""True if some `\boxed{` has its matching `}` (any nesting depth).
 
     LaTeX escapes (`\{`, `\}`, `\\`) are skipped as pairs, so `\boxed{\{1,2\}}` is closed while
-    `\boxed{\left\{ x` is not. The reference regex allows only two nesting levels; a scanner
-    accepts every depth (e.g. `\boxed{\frac{\sqrt{a^{2}}}{b}}`).
+    `\boxed{\left\{ x` is not. The reference regex allows only two nesting levels; the answer
+    extractor's brace scanner accepts every depth (e.g. `\boxed{\frac{\sqrt{a^{2}}}{b}}`).
     """
-    for match in _BOXED_OPEN.finditer(text):
-        depth, i = 1, match.end()
-        while i < len(text):
-            char = text[i]
-            if char == "\\":
-                i += 2
-                continue
-            if char == "{":
-                depth += 1
-            elif char == "}":
-                depth -= 1
-                if depth == 0:
-                    return True
-            i += 1
-    return False
+    return any(matched_group(text, m.end() - 1) is not None for m in _BOXED_OPEN.finditer(text))
 
 
 def _has_closing_fence(text: str) -> bool:

@@ -21,8 +21,12 @@ _ANSWER_LINE = re.compile(
 _STRIP_EDGES = " \t*_"
 
 
-def _matched_group(text: str, open_pos: int) -> str | None:
-    """Content of the brace group opening at `text[open_pos] == "{"`; None when it never closes."""
+def matched_group(text: str, open_pos: int) -> str | None:
+    """Content of the brace group opening at `text[open_pos] == "{"`; None when it never closes.
+
+    The one brace-counting scan for boxed answers (nesting at any depth; `\\{`, `\\}` and `\\\\`
+    skipped as pairs), shared by answer extraction and DUET's answer-marker check.
+    """
     depth = 0
     for token in _GROUP_TOKENS.finditer(text, open_pos):
         brace = token.group()
@@ -54,7 +58,7 @@ def last_boxed(text: str) -> str | None:
         return None
     arg_start = len(text) - len(text[after:].lstrip())
     if text.startswith("{", arg_start):
-        content = _matched_group(text, arg_start)
+        content = matched_group(text, arg_start)
     else:
         content = re.match(r"[^\s$]*", text[arg_start:]).group().rstrip(".,")
     if content is None or not content.strip():
