@@ -103,10 +103,10 @@ PRESETS = {
 def variants() -> dict[str, tuple[str, float, list[str]]]:
     """Every variant: name -> (method, budget fraction b, config overrides).
 
-    Both presets enable DUET with its stop-rule settings; GRPO and DAPO switch it off and keep
+    Both presets run DUET with its stop-rule settings; GRPO and DAPO take another method and keep
     the rest (sampling, KL, loss aggregation), so every variant trains the same objective."""
-    duet = ["algorithm.duet.enabled=true", f"algorithm.duet.n_ref={N_REF}"]
-    off = "algorithm.duet.enabled=false"
+    duet = ["algorithm.name=duet", f"algorithm.duet.n_ref={N_REF}"]
+    off = "algorithm.name=grpo"
     return {
         "grpo b=1": ("grpo", 1.0, [off, f"generation.group_size={N_REF}"]),
         "grpo b=0.5": ("grpo", 0.5, [off, f"generation.group_size={N_REF // 2}"]),
@@ -125,7 +125,7 @@ def variants() -> dict[str, tuple[str, float, list[str]]]:
         "dapo b=1": (
             "dapo",
             1.0,
-            [off, f"generation.group_size={N_REF}", "algorithm.dynamic_sampling.enabled=true"],
+            [f"generation.group_size={N_REF}", "algorithm.name=dapo"],
         ),
     }
 

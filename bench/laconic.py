@@ -23,8 +23,8 @@ ray_env()
 ROOT = Path(__file__).resolve().parent.parent
 PRESET = ROOT / "configs" / "tiny-laconic.yaml"
 BASE = ["run.eval_every=0", "run.keep_last=1"]
-ON = ["algorithm.laconic.enabled=true", "algorithm.laconic.lam_max=auto"]
-OFF = ["algorithm.laconic.enabled=false"]
+ON = ["algorithm.name=laconic", "algorithm.laconic.lam_max=auto"]
+OFF = ["algorithm.name=grpo"]
 
 
 def variants(budget: int, eta: float) -> dict[str, list[str]]:

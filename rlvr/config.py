@@ -199,8 +199,9 @@ class TrainingConfig(Section):
 class LaconicConfig(Section):
     """LACONIC: keep the mean response length under `budget` tokens with an adaptive dual."""
 
-    enabled: bool = Field(False, description="Constrain the mean response length to `budget`.")
-    budget: int | None = Field(None, gt=0, description="Target mean response length B (tokens).")
+    budget: int | None = Field(
+        None, gt=0, description="Target mean response length B (tokens); required by LACONIC."
+    )
     eta: float = Field(
         laconic.DEFAULT_ETA, ge=0.0, description="Dual step size (0 = fixed lambda, an ablation)."
     )
@@ -216,8 +217,6 @@ class LaconicConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> LaconicConfig:
-        if self.enabled and self.budget is None:
-            raise ValueError("budget is required when LACONIC is enabled")
         if isinstance(self.lam_max, float) and self.lam_max < 0:
             raise ValueError("lam_max must be >= 0 or 'auto'")
         return self
@@ -226,9 +225,6 @@ class LaconicConfig(Section):
 class DuetConfig(Section):
     """DUET: per-prompt rollout counts and in-engine early stops under one token budget."""
 
-    enabled: bool = Field(
-        False, description="Allocate rollouts per prompt and stop/abort them in the engine."
-    )
     b: float = Field(
         0.5, gt=0.0, description="Budget fraction: B = b * n_ref * sum of the batch's L_hat."
     )
@@ -320,7 +316,6 @@ class DroFilterConfig(Section):
 class DroConfig(Section):
     """DRO: reward a CoT by the policy's certainty of a reference answer, gated by rubrics."""
 
-    enabled: bool = Field(False, description="Train with DRO's reference reward, gates and loss.")
     reward: Literal["r3", "avg_prob", "avg_logprob", "verifier"] = Field(
         "r3",
         description="'r3' (DRO), 'avg_prob' (RLPR), 'avg_logprob' (VeriFree) from the reference "
@@ -393,9 +388,6 @@ class DroConfig(Section):
 class TandemConfig(Section):
     """Tandem RL: a frozen junior co-writes every training rollout; only senior tokens train."""
 
-    enabled: bool = Field(
-        False, description="Co-write rollouts with a frozen junior; train on the senior's tokens."
-    )
     p: float = Field(
         0.5, gt=0.0, le=1.0, description="Probability that the senior wins an author draw."
     )
@@ -409,21 +401,28 @@ class TandemConfig(Section):
     )
 
 
-class DynamicSamplingConfig(Section):
-    """DAPO's dynamic sampling for plain GRPO: drop all-equal groups, refill with fresh prompts."""
+class DapoConfig(Section):
+    """DAPO's dynamic sampling for GRPO: drop groups whose rewards are all equal and generate
+    groups for fresh prompts until prompts_per_step informative groups are collected."""
 
-    enabled: bool = Field(
-        False,
-        description="Drop groups whose rewards are all equal and generate groups for fresh "
-        "prompts until prompts_per_step informative groups are collected.",
-    )
     max_rounds: int = Field(
         3, ge=1, description="Generation rounds per step, the first one included."
     )
 
 
+METHODS = ("grpo", "laconic", "duet", "dro", "tandem", "dapo")
+"""The built-in methods (`rlvr.algorithms.method.register` adds more)."""
+
+
 class AlgorithmConfig(Section):
-    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
+    """The training method (`name`) and each method's parameters in its own section."""
+
+    name: str = Field(
+        "grpo",
+        description="Training method: grpo, laconic (length budget), duet (rollout budget), dro "
+        "(reference reward), tandem (junior co-writer), dapo (dynamic sampling), or a registered "
+        "one; its parameters are in the section of the same name.",
+    )
     advantage_scale: Literal["group", "none"] = Field(
         "group", description="'group' divides by group std; 'none' is Dr.GRPO."
     )
@@ -432,7 +431,34 @@ class AlgorithmConfig(Section):
     duet: DuetConfig = Field(default_factory=DuetConfig)
     dro: DroConfig = Field(default_factory=DroConfig)
     tandem: TandemConfig = Field(default_factory=TandemConfig)
-    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    dapo: DapoConfig = Field(default_factory=DapoConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_enable_flags(cls, data: Any) -> Any:
+        # Methods used to be switched on by flags; say what replaces them instead of "unknown key".
+        sections = {"dynamic_sampling": "dapo"} | {m: m for m in METHODS}
+        for section, method in sections.items():
+            given = data.get(section) if isinstance(data, dict) else None
+            if isinstance(given, dict) and "enabled" in given:
+                raise ValueError(
+                    f"algorithm.{section}.enabled: methods are chosen by algorithm.name; "
+                    f"write algorithm.name: {method}"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _known_method(self) -> AlgorithmConfig:
+        from rlvr.algorithms.method import registered
+
+        if self.name not in registered():
+            raise ValueError(
+                f"algorithm.name: unknown method {self.name!r}; choose one of "
+                f"{', '.join(registered())}"
+            )
+        if self.name == "laconic" and self.laconic.budget is None:
+            raise ValueError("algorithm.laconic.budget is required by LACONIC")
+        return self
 
 
 class VerifierConfig(Section):
@@ -574,9 +600,10 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
-        if self.algorithm.name == "grpo" and self.generation.group_size < 2:
+        if self.generation.group_size < 2:
             raise ValueError(
-                "generation.group_size must be >= 2 for GRPO (a group of one has no baseline)"
+                "generation.group_size must be >= 2 (a group of one has no baseline for its "
+                "advantage)"
             )
         if self.generation.temperature <= 0:
             raise ValueError(
@@ -589,8 +616,8 @@ class Config(Section):
                 f"training.warmup_steps: a {self.training.lr_schedule} lr schedule needs optimizer "
                 f"steps after the warm-up ({warmup} of {total})"
             )
-        lc = self.algorithm.laconic
-        if lc.enabled:
+        lc, method = self.algorithm.laconic, self.algorithm.name
+        if method == "laconic":
             max_tokens = self.generation.max_tokens
             if lc.budget >= max_tokens:
                 raise ValueError(
@@ -601,14 +628,10 @@ class Config(Section):
             if warning:
                 warnings.warn(f"algorithm.laconic.lam_max: {warning}", stacklevel=2)
         self._check_tensor_parallel()
-        if self.algorithm.duet.enabled:
+        if method == "duet":
             self._check_duet()
-        if self.algorithm.dro.enabled:
+        if method == "dro":
             self._check_dro()
-        if self.algorithm.tandem.enabled:
-            self._check_tandem()
-        if self.algorithm.dynamic_sampling.enabled:
-            self._check_dynamic_sampling()
         return self
 
     def _check_tensor_parallel(self) -> None:
@@ -617,7 +640,7 @@ class Config(Section):
             return
         if self.generation.backend != "vllm":
             raise ValueError("resources.generator_tp > 1 needs generation.backend: vllm")
-        if self.algorithm.duet.enabled or self.algorithm.tandem.enabled:
+        if self.algorithm.name in ("duet", "tandem"):
             # Their per-sample state (stop-rule trackers, the author schedule) lives in the
             # engine's own process and is read by a logits processor there; with TP the
             # processors run in vLLM's worker processes, which cannot see it.
@@ -632,38 +655,7 @@ class Config(Section):
                 f"resources.generator_tp={r.generator_tp} (one GPU per tensor-parallel worker)"
             )
 
-    def _check_dynamic_sampling(self) -> None:
-        a = self.algorithm
-        others = {
-            "DUET (algorithm.duet.enabled)": a.duet.enabled,
-            "Tandem (algorithm.tandem.enabled)": a.tandem.enabled,
-            "DRO (algorithm.dro.enabled)": a.dro.enabled,
-            # LACONIC's dual is defined over every response of a step; which responses a
-            # filtered step would feed it is not defined by either method.
-            "LACONIC (algorithm.laconic.enabled)": a.laconic.enabled,
-        }
-        on = [name for name, enabled in others.items() if enabled]
-        if on:
-            raise ValueError(
-                "algorithm.dynamic_sampling.enabled: DAPO dynamic sampling is a plain-GRPO "
-                f"baseline and cannot run with {', '.join(on)}"
-            )
-
-    def _check_tandem(self) -> None:
-        a = self.algorithm
-        if a.laconic.enabled or a.duet.enabled or a.dro.enabled:
-            # The Tandem digest defines no composition with a shaped reward or weighted rollouts.
-            raise ValueError(
-                "algorithm.tandem.enabled: Tandem cannot run with LACONIC, DUET or DRO; "
-                "enable one of them"
-            )
-
     def _check_dro(self) -> None:
-        if self.algorithm.laconic.enabled or self.algorithm.duet.enabled:
-            # The DRO digest defines no composition with a length-shaped reward or DUET weights.
-            raise ValueError(
-                "algorithm.dro.enabled: DRO cannot run with LACONIC or DUET; enable one of them"
-            )
         if self.training.kl_coef:
             raise ValueError(
                 "training.kl_coef: DRO sets its KL coefficient with algorithm.dro.beta; leave "
@@ -676,12 +668,6 @@ class Config(Section):
 
     def _check_duet(self) -> None:
         du, max_tokens = self.algorithm.duet, self.generation.max_tokens
-        if self.algorithm.laconic.enabled:
-            # The DUET digest defines no composition with a length-shaped reward.
-            raise ValueError(
-                "algorithm.duet.enabled: DUET and LACONIC (algorithm.laconic.enabled) cannot run "
-                "together; enable one of them"
-            )
         if self.algorithm.advantage_scale != "group":
             raise ValueError(
                 "algorithm.advantage_scale must be 'group' with DUET (its advantages are "
@@ -719,7 +705,7 @@ class Config(Section):
     def duet_controller(self) -> dict[str, Any] | None:
         """Keyword arguments of the controller's `DuetController`, or None when disabled."""
         du = self.algorithm.duet
-        if not du.enabled:
+        if self.algorithm.name != "duet":
             return None
         return {
             "b": du.b,
@@ -760,7 +746,7 @@ class Config(Section):
     def laconic_dual(self) -> dict[str, float] | None:
         """Keyword arguments of the controller's `laconic.DualState`, or None when disabled."""
         lc = self.algorithm.laconic
-        if not lc.enabled:
+        if self.algorithm.name != "laconic":
             return None
         lam_max, _ = laconic.resolve_lam_max(lc.lam_max, lc.budget, self.generation.max_tokens)
         return {"budget": lc.budget, "eta": lc.eta, "lam_max": lam_max, "lam": lc.lam_init}
@@ -818,8 +804,23 @@ def format_validation_error(err: ValidationError) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"{key}: {msg}")
+        # a section's check that names a key below it already says where
+        names_key = key == "<root>" or msg.startswith(f"{key}.")
+        lines.append(msg if names_key else f"{key}: {msg}")
     return "invalid config: " + "; ".join(lines)
+
+
+def _unknown_key(dotted: str, path: list[str]) -> str:
+    """The error for an unknown key `dotted` of the override `path`; the old per-method switches
+    (`algorithm.<method>.enabled`) say what replaced them."""
+    if len(path) == 3 and path[0] == "algorithm" and path[2] == "enabled":
+        method = {"dynamic_sampling": "dapo"}.get(path[1], path[1])
+        if method in METHODS:
+            return (
+                f"{'.'.join(path)}: methods are chosen by algorithm.name; "
+                f"write algorithm.name={method}"
+            )
+    return f"{dotted}: unknown key"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -851,7 +852,7 @@ def apply_overrides(
             dotted = ".".join(path[: i + 1])
             if check_keys:
                 if not isinstance(schema, dict) or part not in schema:
-                    raise ConfigError(f"invalid {kind}: {dotted}: unknown key")
+                    raise ConfigError(f"invalid {kind}: {_unknown_key(dotted, path)}")
                 schema = schema[part]
             key: str | int = part
             if isinstance(node, list):

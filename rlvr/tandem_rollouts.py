@@ -1,5 +1,5 @@
-"""Tandem RL in the training step (digest tandem.md 2.3-2.6): where the junior comes from, the
-generator's tandem settings, and the shaping of co-written rollouts into a senior-only batch.
+"""Tandem RL in the training step (arXiv:2606.28166): where the junior comes from, and the
+shaping of co-written rollouts into a senior-only batch.
 """
 
 from __future__ import annotations
@@ -32,14 +32,6 @@ def junior_dir(cfg: Config, model_dir: Path) -> Path:
     except ConfigError as err:
         raise ConfigError(str(err).replace("model.path", "algorithm.tandem.junior_path")) from None
     return path
-
-
-def generator_settings(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
-    """The GeneratorActor's `tandem` argument, or None when Tandem is off."""
-    t = cfg.algorithm.tandem
-    if not t.enabled:
-        return None
-    return {"junior_path": str(junior_dir(cfg, model_dir)), "p": t.p, "cap": t.cap}
 
 
 def shape_tandem(rollouts: Rollouts, cfg: Any, pad_id: int) -> tuple[TrainBatch, dict[str, float]]:

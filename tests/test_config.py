@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.config import ConfigError, check_model_for_backend, load_config
+from rlvr.config import ConfigError, check_model_for_backend, config_from_dict, load_config
 from rlvr.tasks import load_task
 
 TRAIN_CONFIGS = sorted(
@@ -135,7 +135,7 @@ def test_layouts_that_fit():
 
 
 def test_laconic_defaults_and_dual_kwargs():
-    cfg = load_config(None, ["algorithm.laconic.enabled=true", "algorithm.laconic.budget=64"])
+    cfg = load_config(None, ["algorithm.name=laconic", "algorithm.laconic.budget=64"])
     lc = cfg.algorithm.laconic
     assert (lc.eta, lc.lam_max, lc.lam_init, lc.cost) == (0.002, 0.3, 0.0, "hinge")
     assert cfg.laconic_dual() == {"budget": 64, "eta": 0.002, "lam_max": 0.3, "lam": 0.0}
@@ -145,9 +145,9 @@ def test_laconic_defaults_and_dual_kwargs():
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["algorithm.laconic.enabled=true"], "algorithm.laconic"),
+        (["algorithm.name=laconic"], "algorithm.laconic"),
         (
-            ["algorithm.laconic.enabled=true", "algorithm.laconic.budget=256"],
+            ["algorithm.name=laconic", "algorithm.laconic.budget=256"],
             "algorithm.laconic.budget",
         ),
         (["algorithm.laconic.budget=0"], "algorithm.laconic.budget"),
@@ -162,7 +162,7 @@ def test_laconic_bad_values_name_the_key(overrides, key):
 
 
 def test_laconic_warns_above_the_safe_ceiling_and_auto_resolves_to_it():
-    on = ["algorithm.laconic.enabled=true", "algorithm.laconic.budget=200"]
+    on = ["algorithm.name=laconic", "algorithm.laconic.budget=200"]
     with pytest.warns(UserWarning, match="safe ceiling"):  # 200 / (256 - 200) = 3.57 is safe...
         load_config(None, [*on, "algorithm.laconic.lam_max=5"])  # ...but 5 is not
     cfg = load_config(None, [*on, "algorithm.laconic.lam_max=auto"])
@@ -176,3 +176,33 @@ def test_tensor_parallel_engines_refuse_in_engine_state():
             load_config(preset, ["resources.generator_tp=2"])
     with pytest.raises(ConfigError, match="generator_gpus=1 must equal resources.generator_tp=2"):
         load_config(None, ["resources.generator_tp=2", "resources.generator_gpus=1"])
+
+
+@pytest.mark.parametrize(
+    ("section", "method"),
+    [
+        ("laconic", "laconic"),
+        ("duet", "duet"),
+        ("dro", "dro"),
+        ("tandem", "tandem"),
+        ("dynamic_sampling", "dapo"),
+    ],
+)
+def test_the_old_method_switches_say_what_replaced_them(section, method):
+    hint = rf"algorithm\.{section}\.enabled: methods are chosen by algorithm\.name; "
+    with pytest.raises(ConfigError, match=hint + rf"write algorithm\.name={method}"):
+        load_config(None, [f"algorithm.{section}.enabled=true"])
+    with pytest.raises(ConfigError, match=hint + rf"write algorithm\.name: {method}"):
+        config_from_dict({"algorithm": {section: {"enabled": True}}})
+
+
+def test_the_method_is_picked_by_name():
+    assert load_config(None, []).algorithm.name == "grpo"
+    for name in ("laconic", "duet", "dro", "tandem", "dapo"):
+        sets = {"laconic": ["algorithm.laconic.budget=64"], "duet": ["generation.max_tokens=512"]}
+        assert (
+            load_config(None, [f"algorithm.name={name}", *sets.get(name, [])]).algorithm.name
+            == name
+        )
+    with pytest.raises(ConfigError, match=r"algorithm\.name: unknown method 'ppo'; choose one of"):
+        load_config(None, ["algorithm.name=ppo"])

@@ -8,7 +8,7 @@ from rlvr.config import ConfigError, load_config
 
 
 def test_defaults_follow_the_digest():
-    d = load_config(None, ["algorithm.dro.enabled=true"]).algorithm.dro
+    d = load_config(None, ["algorithm.name=dro"]).algorithm.dro
     assert (d.reward, d.omega, d.clip_low, d.clip_high) == ("r3", 1.5, 0.05, 0.85)
     assert (d.mu, d.rho_g, d.nu, d.rho_ent, d.beta) == (1, 0.25, 0.6, 0.4, 0.001)
     assert (d.delimiter, d.separator, d.scorer, d.judge) == (
@@ -31,17 +31,9 @@ def test_defaults_follow_the_digest():
         (["algorithm.dro.delimiter="], "gates judge the final answer after the delimiter"),
         (["algorithm.dro.judge=keyword", "algorithm.dro.scorer=reference"], "needs the reference"),
         (["algorithm.dro.filter.retention=0.05"], "retention=0.05 must be >= query_frac=0.1"),
-        (["algorithm.dro.enabled=true", "training.kl_coef=0.1"], "algorithm.dro.beta"),
+        (["algorithm.name=dro", "training.kl_coef=0.1"], "algorithm.dro.beta"),
         (
-            [
-                "algorithm.dro.enabled=true",
-                "algorithm.laconic.enabled=true",
-                "algorithm.laconic.budget=8",
-            ],
-            "DRO cannot run with LACONIC or DUET",
-        ),
-        (
-            ["algorithm.dro.enabled=true", "algorithm.dro.reward=verifier"],
+            ["algorithm.name=dro", "algorithm.dro.reward=verifier"],
             "runs without rubric gates",
         ),
     ],
@@ -53,4 +45,4 @@ def test_invalid_settings_fail_at_load(overrides, message):
 
 def test_tiny_dro_preset_loads():
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny-dro.yaml")
-    assert cfg.algorithm.dro.enabled and cfg.algorithm.dro.delimiter == "The answer is"
+    assert cfg.algorithm.name == "dro" and cfg.algorithm.dro.delimiter == "The answer is"

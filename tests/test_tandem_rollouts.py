@@ -5,17 +5,18 @@ import numpy as np
 import pytest
 import torch
 
+from rlvr.algorithms.method import build_method
 from rlvr.algorithms.tandem import SwitchCounters
 from rlvr.config import Config, ConfigError, config_from_dict, load_config
 from rlvr.generation.tandem_support import counters_to_dict
 from rlvr.models.tiny import build_tiny_model
 from rlvr.rollouts import Rollouts
-from rlvr.tandem_rollouts import generator_settings, junior_dir, shape_tandem
+from rlvr.tandem_rollouts import junior_dir, shape_tandem
 
 
 def test_config_defaults_follow_the_digest():
     t = Config().algorithm.tandem
-    assert (t.enabled, t.p, t.cap, t.junior_path) == (False, 0.5, 32, None)
+    assert (t.p, t.cap, t.junior_path) == (0.5, 32, None)
     assert Config().training.kl_coef == 0.0
 
 
@@ -26,14 +27,6 @@ def test_config_defaults_follow_the_digest():
         ({"tandem": {"p": 1.5}}, "algorithm.tandem.p: Input should be less than or equal to 1"),
         ({"tandem": {"cap": 0}}, "algorithm.tandem.cap: Input should be greater than or equal"),
         ({"tandem": {"coin": 1}}, "algorithm.tandem.coin: unknown key"),
-        (
-            {"tandem": {"enabled": True}, "laconic": {"enabled": True, "budget": 10, "lam_max": 0}},
-            "algorithm.tandem.enabled: Tandem cannot run with LACONIC, DUET or DRO",
-        ),
-        (
-            {"tandem": {"enabled": True}, "duet": {"enabled": True, "grace": 10}},
-            "algorithm.tandem.enabled: Tandem cannot run with LACONIC, DUET or DRO",
-        ),
     ],
 )
 def test_invalid_settings_name_the_key(section, message):
@@ -43,17 +36,18 @@ def test_invalid_settings_name_the_key(section, message):
 
 def test_the_presets_load():
     tandem = load_config("configs/tiny-tandem.yaml")
-    assert tandem.algorithm.tandem.enabled and tandem.training.kl_coef == 0.0
+    assert tandem.algorithm.name == "tandem" and tandem.training.kl_coef == 0.0
     kl = load_config("configs/tiny-kl-junior.yaml")
-    assert not kl.algorithm.tandem.enabled and kl.training.kl_coef > 0.0
+    assert kl.algorithm.name == "grpo" and kl.training.kl_coef > 0.0
 
 
 def test_the_junior_defaults_to_the_senior_start_and_is_checked(tmp_path):
     senior = build_tiny_model(tmp_path / "senior", seed=0)
-    cfg = load_config(overrides=["algorithm.tandem.enabled=true"])
+    cfg = load_config(overrides=["algorithm.name=tandem"])
     assert junior_dir(cfg, senior) == senior
-    assert generator_settings(cfg, senior) == {"junior_path": str(senior), "p": 0.5, "cap": 32}
-    assert generator_settings(Config(), senior) is None
+    tandem = {"junior_path": str(senior), "p": 0.5, "cap": 32}
+    assert build_method(cfg).generator_settings(senior) == {"tandem": tandem}
+    assert build_method(Config()).generator_settings(senior) == {}
 
     other = build_tiny_model(tmp_path / "other", seed=0, corpus=["zebra quokka yak"] * 20)
     for path, message in ((other, "tokenizers differ"), (tmp_path / "none", "neither")):

@@ -24,7 +24,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
         ("tiny.yaml", [], "eval_accuracy"),
         (
             "tiny.yaml",
-            ["algorithm.laconic.enabled=true", "algorithm.laconic.budget=12"],
+            ["algorithm.name=laconic", "algorithm.laconic.budget=12"],
             "eval_accuracy",
         ),
         ("tiny-tandem.yaml", [], "eval_tandem_accuracy"),

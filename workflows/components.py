@@ -19,7 +19,7 @@ from actors.controller import NAMESPACE, ControllerActor, controller_name
 from actors.generator import GeneratorActor
 from actors.policy import PolicyActor
 from actors.verifier import VerifierActor, VerifierPool
-from rlvr import tandem_rollouts
+from rlvr.algorithms.method import build_method
 from rlvr.config import Config
 from workflows.generator_pool import GeneratorPool
 from workflows.policy_group import PolicyGroup, rank_environments
@@ -56,6 +56,7 @@ def torch_threads(cfg: Config, concurrent: int = 1) -> int:
 
 def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
     t, lora, dro = cfg.training, cfg.model.lora, cfg.algorithm.dro
+    method = build_method(cfg)
     warmup, total = cfg.lr_schedule_steps()
     return {
         "model_path": str(model_dir),
@@ -67,7 +68,7 @@ def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         "micro_batch_size": t.micro_batch_size,
         "dtype": cfg.model.dtype,
         "seed": cfg.run.seed,
-        "kl_coef": dro.beta if dro.enabled else t.kl_coef,
+        "kl_coef": method.kl_coef(),
         "clip_low": t.clip_low,
         "clip_high": t.clip_high,
         "loss_agg": t.loss_agg,
@@ -81,9 +82,9 @@ def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         "total_steps": total,
         "min_lr_ratio": t.min_lr_ratio,
         "max_response_len": cfg.generation.max_tokens,
-        "loss": "dro" if dro.enabled else "grpo",
+        "loss": method.policy_loss,
         "rho_ent": dro.rho_ent,
-        "tandem": cfg.algorithm.tandem.enabled,
+        "tandem": method.senior_tokens_only,
         "threads": torch_threads(cfg, cfg.resources.policy_ranks),
     }
 
@@ -105,9 +106,7 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         )
         if cfg.resources.generator_tp > 1:
             kw["tensor_parallel_size"] = cfg.resources.generator_tp
-    tandem = tandem_rollouts.generator_settings(cfg, model_dir)
-    if tandem is not None:
-        kw["tandem"] = tandem
+    kw.update(build_method(cfg).generator_settings(model_dir))
     kw["threads"] = torch_threads(cfg, cfg.resources.generator_engines)
     return kw
 

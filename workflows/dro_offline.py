@@ -19,6 +19,7 @@ import torch
 
 from rlvr.algorithms import dro
 from rlvr.algorithms.groups import group_rows
+from rlvr.algorithms.methods import ensure_rubrics, rubric_cache_path
 from rlvr.config import Config
 from rlvr.dro_rollouts import (
     DroTokens,
@@ -33,7 +34,7 @@ from rlvr.run.files import atomic_write_text
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from workflows.components import generator_kwargs
-from workflows.dro_step import ensure_rubrics, rubric_cache_path, start_reference
+from workflows.services import start_reference
 from workflows.train import prepare
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ def run_rubrics(cfg: Config, out: Path | None = None) -> dict[str, Any]:
     try:
         rubrics = ensure_rubrics(path, train, cfg, reference)
     finally:
-        reference.target.close()
+        reference.close()
     gated = [r for r in rubrics.values() if not r.ungated]
     return {
         "path": str(path),

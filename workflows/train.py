@@ -1,7 +1,7 @@
-"""Durable GRPO training workflow over long-lived actors.
+"""Durable RL training workflow over long-lived actors.
 
 One step is a short sequence of named phases (plan, generate, score, shape, update, sync, observe,
-persist), each one call on a long-lived actor. A step is completed when its checkpoint is committed
+persist); the method named by `algorithm.name` supplies the hooks of the phases it changes. A step is completed when its checkpoint is committed
 in the run directory; `resume` continues after the last completed step with the same data order,
 sampling seeds, weights, optimizer and controller state.
 """
@@ -21,27 +21,25 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from rlvr.algorithms import duet_control, dynamic_sampling, laconic
+from rlvr.algorithms.method import build_method, method_class, timed
 from rlvr.config import Config, ConfigError, check_model_for_backend, config_from_dict
-from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.generation.base import SamplingParams
 from rlvr.metrics import group_stats, rollout_stats
 from rlvr.models import cache_dir, resolve_model_path
 from rlvr.models.sft import sft_warmup
-from rlvr.rollouts import Rollouts, shape_duet, shape_grpo
-from rlvr.rundir import RunDir, atomic_write_text
-from rlvr.tandem_rollouts import shape_tandem
+from rlvr.run.files import atomic_write_text
+from rlvr.rundir import RunDir
 from rlvr.tasks import load_task
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.tasks.sampler import PromptSampler
-from rlvr.training.batch import rows_that_train
+from rlvr.training.batch import TrainBatch, rows_that_train
 from workflows.components import Components, start_components
-from workflows.dro_step import DroStep
+from workflows.services import RunServices
 
 log = logging.getLogger(__name__)
 
 EVAL_SEED = 1234
-REQUEST_SEED_STRIDE = 10_007
 
 
 def sampling_seed(run_seed: int, step: int) -> int:
@@ -50,22 +48,14 @@ def sampling_seed(run_seed: int, step: int) -> int:
 
 
 def best_metric(cfg: Config) -> str:
-    """The held-out metric that picks the best checkpoint (higher is better for every method).
-
-    Tandem selects on the accuracy of tandem rollouts, not solo ones (arXiv:2606.28166, section
-    5.1); DRO on the validation reward, held-out mean R3 (arXiv:2506.13351, App. F.2); every other
-    method on held-out accuracy.
-    """
-    if cfg.algorithm.tandem.enabled:
-        return "eval_tandem_accuracy"
-    if cfg.algorithm.dro.enabled:
-        return "eval_r3"
-    return "eval_accuracy"
+    """The held-out metric that picks the best checkpoint: the method's (higher is better)."""
+    return method_class(cfg.algorithm.name).best_metric
 
 
 @dataclass
 class Trainer:
-    """Drives the step loop for one run directory."""
+    """Drives the step loop for one run directory; `cfg.algorithm.name` picks the method whose
+    hooks the loop calls (`rlvr.algorithms.method.Method`)."""
 
     cfg: Config
     run: RunDir
@@ -73,179 +63,92 @@ class Trainer:
     tokenizer: Any
     train_problems: list[Problem]
     test_problems: list[Problem]
-    dro: DroStep | None = None
-    """DRO's score / shape / evaluate phases when algorithm.dro.enabled."""
+    model_dir: Path | None = None
+    """The policy's starting weights (a method may start a worker on them, e.g. DRO's judge)."""
+    use_actors: bool = True
 
     def __post_init__(self) -> None:
         self.sampler = PromptSampler(
             self.train_problems, self.cfg.generation.prompts_per_step, self.cfg.run.seed
         )
-        self._prompt_cache: dict[str, list[int]] = {}
+        self.method = build_method(self.cfg)
+        self.services = RunServices(
+            self.cfg,
+            self.model_dir,
+            self.comps,
+            self.tokenizer,
+            self.train_problems,
+            self.test_problems,
+            use_actors=self.use_actors,
+            committed_metrics=self.run.read_metrics(),
+            epochs=self.sampler,
+        )
+        self.method.start(self.services)
 
-    def prompt_ids(self, problem: Problem) -> list[int]:
-        """The problem's prompt ids as every pass renders them (task.instruction, chat_template)."""
-        if problem.id not in self._prompt_cache:
-            task = self.cfg.task
-            self._prompt_cache[problem.id] = render_prompt(
-                self.tokenizer, problem, task.instruction, task.chat_template
-            )
-        return self._prompt_cache[problem.id]
-
-    # --- phases ---------------------------------------------------------------------------------
-    def generate(
-        self,
-        problems: list[Problem],
-        n: dict[str, int],
-        params: SamplingParams,
-        step: int,
-        duet_stop: dict[str, Any] | None = None,
-        tandem: bool = False,
-        first_index: int = 0,
-    ) -> Rollouts:
-        """Sample n[id] responses per problem; `duet_stop` runs DUET's stop rule in the engine;
-        `tandem` co-writes every response with the frozen junior. `first_index` is the step-wide
-        index of the first problem (DAPO's refill rounds continue the step's seed streams)."""
-        base = params.seed if params.seed is not None else 0
-        # each prompt its own seed stream: sample j of prompt i draws from base + STRIDE * i + j
-        requests = [
-            GenerationRequest(
-                self.prompt_ids(p),
-                n=n[p.id],
-                request_id=p.id,
-                seed=base + REQUEST_SEED_STRIDE * (first_index + i),
-            )
-            for i, p in enumerate(problems)
-        ]
-        extra = {"duet_stop": duet_stop} if duet_stop is not None else {}
-        if tandem:
-            extra["tandem"] = True
-        results = self.comps.generator.run("generate", requests, params, step=step, **extra)
-        return Rollouts.from_results(results, {p.id: p.answer for p in problems})
-
-    def score(self, rollouts: Rollouts) -> None:
-        scored = self.comps.verifier.score(rollouts.texts, rollouts.golds)
-        rollouts.rewards = np.array([r for r, _ in scored], dtype=np.float64)
-        rollouts.statuses = [s for _, s in scored]
+    def sampling_params(self, step: int) -> SamplingParams:
+        """The training sampler of step `step`."""
+        g = self.cfg.generation
+        return SamplingParams(
+            temperature=g.temperature,
+            top_p=g.top_p,
+            max_tokens=g.max_tokens,
+            seed=sampling_seed(self.cfg.run.seed, step),
+        )
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out mean@k accuracy and mean response length of the policy alone, the method's
-        validation metric beside them, and the name of the one that picks the best checkpoint.
-
-        Tandem adds the accuracy of tandem rollouts (the frozen junior co-writing as in training,
-        same sampling as the solo pass); DRO the held-out reference certainty of `group_size`
-        rollouts per query drawn with the training sampler (mean R3, `DroStep.evaluate`).
-        """
+        validation figures beside them (`Method.evaluate`), and the name of the one that picks
+        the best checkpoint."""
         g = self.cfg.generation
         params = SamplingParams(
             temperature=g.eval_temperature, top_p=1.0, max_tokens=g.max_tokens, seed=EVAL_SEED
         )
-        k = g.eval_samples
-        n = {p.id: k for p in self.test_problems}
+        n = {p.id: g.eval_samples for p in self.test_problems}
         t0 = time.perf_counter()
-        rollouts = self.generate(self.test_problems, n, params, step)
-        self.score(rollouts)
+        rollouts = self.services.generate(self.test_problems, n, params, step)
+        self.services.verify(rollouts)
         record = {
             "step": step,
             "eval_accuracy": float(np.mean(rollouts.rewards >= 1.0)),
             "eval_reward": float(np.mean(rollouts.rewards)),
             "eval_length_mean": float(np.mean(rollouts.lengths)),
             "eval_problems": len(self.test_problems),
-            "eval_samples": k,
+            "eval_samples": g.eval_samples,
         }
-        if self.cfg.algorithm.tandem.enabled:
-            tandem = self.generate(self.test_problems, n, params, step, tandem=True)
-            self.score(tandem)
-            record["eval_tandem_accuracy"] = float(np.mean(tandem.rewards >= 1.0))
-            record["eval_tandem_length_mean"] = float(np.mean(tandem.lengths))
-        if self.dro is not None:
-            groups = {p.id: g.group_size for p in self.test_problems}
-            train_params = SamplingParams(
-                temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens, seed=EVAL_SEED
-            )
-            record.update(
-                self.dro.evaluate(self.generate(self.test_problems, groups, train_params, step))
-            )
+        record.update(self.method.evaluate(self.services, self.test_problems, params, step))
         record["eval_seconds"] = time.perf_counter() - t0
-        record["best_metric"] = best_metric(self.cfg)
+        record["best_metric"] = self.method.best_metric
         self.run.append_eval(record)
         return record
 
     def step(self, step: int) -> dict[str, Any]:
-        """Run one training step and return its metrics (not yet persisted)."""
-        cfg, comps = self.cfg, self.comps
+        """Run one training step and return its metrics (not yet persisted): plan, collect
+        (generate + score), shape, update, sync, observe."""
+        cfg, comps, method = self.cfg, self.comps, self.method
         times: dict[str, float] = {}
         t_start = time.perf_counter()
         problems = self.sampler.batch(step)
 
-        t = time.perf_counter()
-        plan = comps.controller.run("plan_step", step, [p.id for p in problems], step=step)
-        times["time_plan"] = time.perf_counter() - t
-        duet_plan = plan.get("duet")
-        duet_stop = (
-            cfg.duet_stop(duet_plan["k1"], duet_plan["k2"], step) if duet_plan is not None else None
+        with timed(times, "time_plan"):
+            plan = comps.controller.run("plan_step", step, [p.id for p in problems], step=step)
+        got = method.collect(self.services, problems, plan, self.sampling_params(step), step, times)
+        batch, shape_stats = (
+            method.shape(self.services, got.trained, plan, step) if len(got.trained) else (None, {})
         )
-        params = SamplingParams(
-            temperature=cfg.generation.temperature,
-            top_p=cfg.generation.top_p,
-            max_tokens=cfg.generation.max_tokens,
-            seed=sampling_seed(cfg.run.seed, step),
-        )
-        dapo_stats: dict[str, Any] = {}
-        if cfg.algorithm.dynamic_sampling.enabled:
-            rollouts, trained, dapo_stats = self.collect_dynamic(problems, params, step, times)
-        else:
-            t = time.perf_counter()
-            rollouts = self.generate(
-                problems, plan["n"], params, step, duet_stop, tandem=cfg.algorithm.tandem.enabled
-            )
-            times["time_generate"] = time.perf_counter() - t
-
-            t = time.perf_counter()
-            if self.dro is not None:
-                self.dro.score(rollouts, step)  # R3 on the rollout weights, before the sync
-            else:
-                self.score(rollouts)
-            times["time_verify"] = time.perf_counter() - t
-            trained = rollouts
-
-        batch, shape_stats = self.shape(trained, plan, step) if len(trained) else (None, {})
-
-        t = time.perf_counter()
-        if batch is not None and batch.num_loss_tokens:
-            rows = rows_that_train(batch, cfg.training.loss_agg, self.dro is not None)
-            train_stats = comps.policy.run(
-                "train_step",
-                batch if len(rows) == len(batch) else batch.select(rows),
-                logprob_sums=duet_plan is not None,
-                step=step,
-            )
-            train_stats["rows"] = len(rows)
-            if "logprob_sums" in train_stats:
-                sums = [0.0] * len(batch)  # rows left out had no loss token: no surrogate use
-                for row, value in zip(rows, train_stats["logprob_sums"], strict=True):
-                    sums[row] = value
-                train_stats["logprob_sums"] = sums
-        else:
-            # DUET aborted every rollout, or DAPO found no informative group: no loss token
-            log.warning("step %d: no rollout carries a loss token; the update is skipped", step)
-            train_stats = {"skipped": 1, "logprob_sums": [0.0] * len(trained)}
+        with timed(times, "time_train"):
+            train_stats = self.train(batch, len(got.trained), step)
         logprob_sums = train_stats.pop("logprob_sums", None)
-        times["time_train"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        self.sync_weights(step)
-        times["time_sync"] = time.perf_counter() - t
+        with timed(times, "time_sync"):
+            self.sync_weights(step)
 
         metrics: dict[str, Any] = {"step": step, "epoch": self.sampler.epoch_of(step)}
+        rollouts = got.rollouts
         metrics.update(rollout_stats(rollouts.rewards, rollouts.lengths, rollouts.finish_reasons))
         metrics.update(group_stats(rollouts.rewards, rollouts.group_ids))
         metrics.update(shape_stats)
-        metrics.update(dapo_stats)
+        metrics.update(got.stats)
         metrics.update({f"train_{k}": v for k, v in train_stats.items()})
-        if duet_plan is not None:
-            t = time.perf_counter()
-            metrics.update(self.observe_duet(rollouts, step, logprob_sums))
-            times["time_duet_state"] = time.perf_counter() - t
+        metrics.update(method.observe(self.services, rollouts, step, logprob_sums, times))
         total = time.perf_counter() - t_start
         metrics.update(times)
         metrics["time_step"] = total
@@ -263,122 +166,28 @@ class Trainer:
         self._last_rollouts = rollouts
         return metrics
 
-    def collect_dynamic(
-        self, problems: list[Problem], params: SamplingParams, step: int, times: dict[str, float]
-    ) -> tuple[Rollouts, Rollouts, dict[str, Any]]:
-        """DAPO dynamic sampling: generate and score groups, drop the all-equal ones, and refill
-        with fresh prompts until the step holds `len(problems)` informative groups or
-        `max_rounds` rounds ran. Returns (every generated rollout, the kept groups' rollouts,
-        metrics); generation and verification seconds add up in `times`."""
-        ds, group_size = self.cfg.algorithm.dynamic_sampling, self.cfg.generation.group_size
-        index = {p.id: i for i, p in enumerate(self.train_problems)}
-        drawn, batch = list(problems), list(problems)
-        rounds: list[Rollouts] = []
-        kept: list[str] = []
-        dropped = 0
-        times["time_generate"] = times["time_verify"] = 0.0
-        for r in range(ds.max_rounds):
-            t = time.perf_counter()
-            part = self.generate(
-                batch,
-                {p.id: group_size for p in batch},
-                params,
-                step,
-                first_index=len(drawn) - len(batch),
-            )
-            times["time_generate"] += time.perf_counter() - t
-            t = time.perf_counter()
-            self.score(part)
-            times["time_verify"] += time.perf_counter() - t
-            rounds.append(part)
-            outcome = dynamic_sampling.sift_round(
-                part.rewards, part.group_ids, len(kept), len(problems), r, ds.max_rounds
-            )
-            kept += outcome.kept
-            dropped += len(outcome.dropped)
-            idx = dynamic_sampling.refill_indices(
-                len(self.train_problems),
-                outcome.refill,
-                [index[p.id] for p in drawn],
-                self.cfg.run.seed,
-                step,
-                r + 1,
-            )
-            if not idx:
-                break
-            batch = [self.train_problems[i] for i in idx]
-            drawn += batch
-        every = Rollouts.concat(rounds)
-        stats = {
-            "dapo_rounds": len(rounds),
-            "dapo_kept_groups": len(kept),
-            "dapo_dropped_groups": dropped,
-        }
-        return every, every.take(every.rows_of(kept)), stats
-
-    def shape(
-        self, rollouts: Rollouts, plan: dict[str, Any], step: int
-    ) -> tuple[Any, dict[str, Any]]:
-        """Advantages and the training batch; LACONIC first turns rewards into its Lagrangian,
-        DUET weights them and masks aborted rollouts out; DRO keeps the rubric-accepted groups."""
-        if self.dro is not None:
-            return self.dro.shape(rollouts)
-        if self.cfg.algorithm.tandem.enabled:
-            return shape_tandem(rollouts, self.cfg, pad_id=self.tokenizer.pad_token_id)
-        if "duet" in plan:
-            du = self.cfg.algorithm.duet
-            batch, stats = shape_duet(
-                rollouts, plan["duet"]["counts"], self.cfg, pad_id=self.tokenizer.pad_token_id
-            )
-            stats.update(
-                duet_control.step_metrics(
-                    plan["duet"],
-                    rollouts.flags,
-                    rollouts.weights,
-                    rollouts.lengths,
-                    du.n_min,
-                    du.n_max,
-                )
-            )
-            return batch, stats
-        lam = plan.get("laconic_lambda")
-        if lam is None:
-            return shape_grpo(rollouts, self.cfg, pad_id=self.tokenizer.pad_token_id)
-        lc = self.cfg.algorithm.laconic
-        lengths = np.asarray(rollouts.lengths)
-        shaped = laconic.lagrangian_rewards(rollouts.rewards, lengths, lc.budget, lam, lc.cost)
-        batch, stats = shape_grpo(
-            rollouts, self.cfg, pad_id=self.tokenizer.pad_token_id, rewards=shaped
-        )
-        # the dual sees every response of the step, before any filtering
-        lam_next = self.comps.controller.run(
-            "update_length_dual", step, float(lengths.mean()), step=step
-        )
-        truncated = [f == "length" for f in rollouts.finish_reasons]
-        stats.update(
-            laconic.step_metrics(
-                rollouts.rewards, lengths, truncated, lc.budget, lam, lam_next, lc.cost
-            )
-        )
-        return batch, stats
-
-    def observe_duet(
-        self, rollouts: Rollouts, step: int, logprob_sums: list[float]
-    ) -> dict[str, Any]:
-        """Fold the step's rollouts into DUET's per-prompt state and K1/K2 window (once)."""
-        kept = [not f.get("aborted", False) for f in rollouts.flags]
-        epoch_end = self.sampler.epoch_of(step + 1) > self.sampler.epoch_of(step)
-        return self.comps.controller.run(
-            "update_duet_state",
-            step,
-            rollouts.group_ids,
-            rollouts.advantages.tolist(),
-            logprob_sums,
-            rollouts.lengths,
-            kept,
-            epoch_end,
+    def train(self, batch: TrainBatch | None, rows: int, step: int) -> dict[str, Any]:
+        """The policy update on the rows that carry loss (every row where the method's loss
+        normaliser counts them); `logprob_sums` per batch row when the method observes them."""
+        method = self.method
+        if batch is None or not batch.num_loss_tokens:
+            # DUET aborted every rollout, or DAPO found no informative group: no loss token
+            log.warning("step %d: no rollout carries a loss token; the update is skipped", step)
+            return {"skipped": 1, "logprob_sums": [0.0] * rows}
+        kept = rows_that_train(batch, self.cfg.training.loss_agg, method.trains_every_row)
+        stats = self.comps.policy.run(
+            "train_step",
+            batch if len(kept) == len(batch) else batch.select(kept),
+            logprob_sums=method.needs_logprob_sums,
             step=step,
         )
+        stats["rows"] = len(kept)
+        if "logprob_sums" in stats:
+            sums = [0.0] * len(batch)  # rows left out had no loss token: no surrogate use
+            for row, value in zip(kept, stats["logprob_sums"], strict=True):
+                sums[row] = value
+            stats["logprob_sums"] = sums
+        return stats
 
     def sync_weights(self, step: int | None = None) -> None:
         """Push the policy's current weights into every engine without restarting them."""
@@ -509,23 +318,20 @@ def train(
     comps = start_components(cfg, model_dir, use_actors=use_actors)
     if comps.layout:
         atomic_write_text(run.path / "layout.json", json.dumps(comps.layout, indent=1))
-    dro_step = None
-    if cfg.algorithm.dro.enabled:
-        try:
-            dro_step = DroStep.start(
-                cfg,
-                model_dir,
-                comps,
-                tokenizer,
-                train_problems,
-                test_problems,
-                use_actors=use_actors,
-                history=run.read_metrics(),
-            )
-        except BaseException:
-            comps.shutdown()
-            raise
-    trainer = Trainer(cfg, run, comps, tokenizer, train_problems, test_problems, dro=dro_step)
+    try:
+        trainer = Trainer(
+            cfg,
+            run,
+            comps,
+            tokenizer,
+            train_problems,
+            test_problems,
+            model_dir=model_dir,
+            use_actors=use_actors,
+        )
+    except BaseException:
+        comps.shutdown()
+        raise
     writer = SummaryWriter(str(run.tb_dir), purge_step=start)
     try:
         key = best_metric(cfg)

@@ -48,3 +48,14 @@ def _root_cause(err: BaseException) -> str:
         return f"{type(cause).__name__}: {cause}"
     text = str(err).strip().splitlines()
     return text[-1] if text else type(err).__name__
+
+
+class Pending:
+    """A call in flight on a worker, pool or group (anything with `get(future, step)`);
+    `result` waits for it, errors naming the worker and the step."""
+
+    def __init__(self, owner: Any, future: Any) -> None:
+        self.owner, self.future = owner, future
+
+    def result(self, step: int | None = None) -> Any:
+        return self.owner.get(self.future, step=step)

@@ -20,7 +20,7 @@ ADV = [1.0, -1.0, 1.0, -1.0, 0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
 LOGP = [-2.0, -4.0, -6.0, -8.0, -1.0, -1.0, -1.0, -1.0, -3.0, -3.0, -3.0, -3.0]
 LENGTHS = [10, 20, 30, 40, 12, 60, 60, 60, 50, 50, 50, 50]
 KEPT = [True] * 5 + [False] * 3 + [True] * 4
-BASE = ["generation.max_tokens=64", "algorithm.duet.enabled=true", "algorithm.duet.grace=8"]
+BASE = ["generation.max_tokens=64", "algorithm.name=duet", "algorithm.duet.grace=8"]
 
 
 def stepped(**kwargs) -> DuetController:

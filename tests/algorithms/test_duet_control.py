@@ -178,7 +178,7 @@ def test_step_metrics_hand_computed():
 
 
 def test_shape_duet_weights_advantages_and_masks_aborted_rollouts():
-    cfg = load_config(None, ["algorithm.duet.enabled=true", "algorithm.duet.grace=8"])
+    cfg = load_config(None, ["algorithm.name=duet", "algorithm.duet.grace=8"])
     rollouts = Rollouts(
         group_ids=["p", "p", "q", "q"],
         prompt_ids=[[1, 2]] * 4,
@@ -203,7 +203,7 @@ def test_shape_duet_weights_advantages_and_masks_aborted_rollouts():
 
 
 def test_config_defaults_and_controller_kwargs():
-    cfg = load_config(None, ["algorithm.duet.enabled=true", "generation.max_tokens=512"])
+    cfg = load_config(None, ["algorithm.name=duet", "generation.max_tokens=512"])
     du = cfg.algorithm.duet
     assert (du.b, du.n_ref, du.n_min, du.n_max, du.eps_pre, du.eps_abort) == (
         0.5,
@@ -244,22 +244,14 @@ def test_config_defaults_and_controller_kwargs():
         (["algorithm.duet.n_ref=40"], r"algorithm\.duet: n_ref=40"),
         (["algorithm.duet.n_min=4", "algorithm.duet.n_ref=4"], r"algorithm\.duet: b=0\.5"),
         (["algorithm.duet.eps_abort=1.5"], r"algorithm\.duet\.eps_abort"),
+        (["algorithm.name=duet"], r"algorithm\.duet\.grace=150"),
         (
-            [
-                "algorithm.duet.enabled=true",
-                "algorithm.laconic.enabled=true",
-                "algorithm.laconic.budget=64",
-            ],
-            r"algorithm\.duet\.enabled",
-        ),
-        (["algorithm.duet.enabled=true"], r"algorithm\.duet\.grace=150"),
-        (
-            ["algorithm.duet.enabled=true", "algorithm.duet.grace=8", "algorithm.duet.k1_min=300"],
+            ["algorithm.name=duet", "algorithm.duet.grace=8", "algorithm.duet.k1_min=300"],
             r"algorithm\.duet\.k1_min",
         ),
         (
             [
-                "algorithm.duet.enabled=true",
+                "algorithm.name=duet",
                 "algorithm.duet.grace=8",
                 "algorithm.advantage_scale=none",
             ],
@@ -270,7 +262,7 @@ def test_config_defaults_and_controller_kwargs():
 def test_bad_duet_config_names_the_key(overrides, message):
     # generation.max_tokens defaults to 256, so the paper's grace 150 only passes with more room
     overrides = list(overrides) + (
-        ["generation.max_tokens=128"] if "algorithm.duet.enabled=true" in overrides else []
+        ["generation.max_tokens=128"] if "algorithm.name=duet" in overrides else []
     )
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)

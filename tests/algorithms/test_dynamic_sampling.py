@@ -51,24 +51,11 @@ def test_refill_indices_are_fresh_deterministic_and_capped():
     assert refill_indices(6, 0, [], seed=0, step=0, round_index=1) == []
 
 
-def test_config_section_and_invalid_combinations():
-    cfg = load_config(None, [])
-    assert (cfg.algorithm.dynamic_sampling.enabled, cfg.algorithm.dynamic_sampling.max_rounds) == (
-        False,
-        3,
-    )
-    on = ["algorithm.dynamic_sampling.enabled=true"]
-    assert load_config(None, on).algorithm.dynamic_sampling.enabled
-    with pytest.raises(ConfigError, match=r"algorithm\.dynamic_sampling\.max_rounds"):
-        load_config(None, ["algorithm.dynamic_sampling.max_rounds=0"])
-    for other, name in (
-        (["algorithm.duet.enabled=true", "generation.max_tokens=512"], "DUET"),
-        (["algorithm.tandem.enabled=true"], "Tandem"),
-        (["algorithm.dro.enabled=true"], "DRO"),
-        (["algorithm.laconic.enabled=true", "algorithm.laconic.budget=64"], "LACONIC"),
-    ):
-        with pytest.raises(ConfigError, match=rf"algorithm\.dynamic_sampling\.enabled: .*{name}"):
-            load_config(None, on + other)
+def test_config_section():
+    assert load_config(None, []).algorithm.dapo.max_rounds == 3
+    assert load_config(None, ["algorithm.name=dapo"]).algorithm.name == "dapo"
+    with pytest.raises(ConfigError, match=r"algorithm\.dapo\.max_rounds"):
+        load_config(None, ["algorithm.dapo.max_rounds=0"])
 
 
 def _rollouts(groups: list[str], rewards: list[float] | None = None) -> Rollouts:

@@ -20,7 +20,7 @@ FAST = [
     "run.eval_every=0",
     "resources.num_verifiers=1",
     # LACONIC's dual rides along, so the resume test also covers it surviving a restart.
-    "algorithm.laconic.enabled=true",
+    "algorithm.name=laconic",
     "algorithm.laconic.budget=12",
     "algorithm.laconic.eta=0.05",
     # Two PPO mini-batches per step under a cosine schedule: the resume test covers the schedule

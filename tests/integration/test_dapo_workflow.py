@@ -9,9 +9,8 @@ from collections import defaultdict
 # Temperature 1.5 spreads the SFT-warmed model's samples, so a round has both informative and
 # all-equal groups; LACONIC's dual is left out (its step mean is undefined under dropping).
 DAPO = [
-    "algorithm.laconic.enabled=false",
-    "algorithm.dynamic_sampling.enabled=true",
-    "algorithm.dynamic_sampling.max_rounds=3",
+    "algorithm.name=dapo",
+    "algorithm.dapo.max_rounds=3",
     "generation.temperature=1.5",
     "run.steps=2",
 ]

@@ -16,7 +16,6 @@ from rlvr.dro_rollouts import scoring_inputs
 from rlvr.generation import make_backend
 from rlvr.rundir import RunDir
 from workflows.components import policy_kwargs, start_components
-from workflows.dro_step import DroStep
 from workflows.train import Trainer, best_metric, prepare
 
 # The integration suite's tiny task and sizes (tests/integration/conftest.py), so the SFT
@@ -42,10 +41,10 @@ def dro_step_run(ray_cluster, tiny_config, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     comps = start_components(cfg, model_dir)
     try:
-        step = DroStep.start(cfg, model_dir, comps, tokenizer, train, test)
         run = RunDir(out / "run")
         run.create(cfg.to_dict())
-        trainer = Trainer(cfg, run, comps, tokenizer, train, test, dro=step)
+        trainer = Trainer(cfg, run, comps, tokenizer, train, test, model_dir=model_dir)
+        step = trainer.method
         metrics = trainer.step(0)
         rollouts = trainer._last_rollouts
         inputs = scoring_inputs(rollouts, step.references, step.tokens)

@@ -18,8 +18,7 @@ from workflows.train import load_run_config
 # closed \boxed{} by token 24 draw the coin (eps 0.5, so both branches show up in 16 rollouts).
 # Temperature 1.5 spreads the SFT-warmed model's samples so groups have a surrogate to observe.
 DUET = [
-    "algorithm.laconic.enabled=false",
-    "algorithm.duet.enabled=true",
+    "algorithm.name=duet",
     "algorithm.duet.b=1",
     "algorithm.duet.n_ref=4",
     "algorithm.duet.grace=2",

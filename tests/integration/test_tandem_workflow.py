@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 
 TANDEM = [
-    "algorithm.laconic.enabled=false",
-    "algorithm.tandem.enabled=true",
+    "algorithm.name=tandem",
     "run.steps=2",
     "run.eval_every=1",
 ]

@@ -1,0 +1,259 @@
+"""A training method as the step loop sees it: one object whose hooks the loop calls in a fixed
+order, registered by name so that `algorithm.name` picks it.
+
+One step (`workflows.train.Trainer.step`) is: `plan` -> `collect` (generate and score) -> `shape`
+(rewards -> advantages -> batch) -> policy update -> weight sync -> `observe`; `evaluate` adds the
+method's validation figures to the held-out pass. A method overrides the hooks it changes and
+inherits GRPO's for the rest. Hooks reach the run's workers only through `StepServices`, which
+the workflow implements over the actors, so this module and every method stay free of Ray.
+
+A new method is one package under `rlvr/algorithms/` holding its equations, its shaping and a
+`Method` subclass decorated with `@register("name")`; `tests/algorithms/test_method_registry.py`
+runs a toy one through the actors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from rlvr.config import Config
+    from rlvr.generation.base import SamplingParams
+    from rlvr.rollouts import Rollouts
+    from rlvr.tasks.base import Problem
+    from rlvr.training.batch import TrainBatch
+
+T = TypeVar("T")
+
+
+class Pending(Protocol[T]):
+    """A call in flight on a worker; `result` waits for it (errors name the worker and step)."""
+
+    def result(self, step: int | None = None) -> T: ...
+
+
+class ReferenceModel(Protocol):
+    """The frozen reference model's worker (DRO's rubric author, judge and R3 scorer)."""
+
+    def build_rubrics(self, queries: Sequence[Any]) -> list[Any]: ...
+
+    def judge_answers(self, requests: Sequence[Any]) -> Pending[tuple[list[Any], int]]: ...
+
+    def score_logprobs(
+        self, sequences: list[list[int]], positions: list[list[int]]
+    ) -> Pending[list[list[float]]]: ...
+
+
+class StepServices(Protocol):
+    """What a method's hooks may use: the run's inputs and typed calls on its workers."""
+
+    cfg: Config
+    model_dir: Path
+    tokenizer: Any
+    train_problems: list[Problem]
+    test_problems: list[Problem]
+
+    def generate(
+        self,
+        problems: list[Problem],
+        n: dict[str, int],
+        params: SamplingParams,
+        step: int,
+        duet_stop: dict[str, Any] | None = None,
+        tandem: bool = False,
+        first_index: int = 0,
+    ) -> Rollouts:
+        """n[id] responses per problem (`first_index`: step-wide index of the first problem)."""
+
+    def verify(self, rollouts: Rollouts) -> None:
+        """Fill `rollouts.rewards` and `statuses` from the verifier pool."""
+
+    def verify_texts(self, texts: list[str], golds: list[str]) -> list[tuple[float, str]]:
+        """The verifier pool's (reward, status) per response."""
+
+    def score_logprobs(
+        self, scorer: str, sequences: list[list[int]], positions: list[list[int]]
+    ) -> Pending[list[list[float]]]:
+        """Teacher-forced log-probs at `positions` by 'generator' (the rollout weights, before the
+        step's sync), 'trainer' (the policy) or 'reference' (the frozen initial model)."""
+
+    def reference(self) -> ReferenceModel:
+        """The frozen reference model's worker, started on first use."""
+
+    def update_length_dual(self, step: int, mean_length: float) -> float:
+        """LACONIC's dual step on the controller; returns lambda for the next step."""
+
+    def update_duet_state(
+        self,
+        step: int,
+        prompt_ids: list[str],
+        advantages: list[float],
+        logprob_sums: list[float],
+        lengths: list[int],
+        kept: list[bool],
+        epoch_end: bool,
+    ) -> dict[str, Any]:
+        """DUET's per-prompt state and K1/K2 window on the controller; returns its metrics."""
+
+    def epoch_ends_after(self, step: int) -> bool:
+        """Whether `step` is the last step of a pass over the training prompts."""
+
+    def history(self) -> list[dict[str, Any]]:
+        """The run's committed step metrics (a resumed method rebuilds running tallies)."""
+
+
+@dataclass
+class Collected:
+    """A step's rollouts: every generated one (metrics, logs, controller) and those it trains on."""
+
+    rollouts: Rollouts
+    trained: Rollouts
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Method:
+    """GRPO (arXiv:2402.03300, section 4.1.2): a fixed group per prompt, verifier rewards, group-
+    normalised advantages on every response token. Other methods override what they change."""
+
+    name: ClassVar[str] = "grpo"
+    best_metric: ClassVar[str] = "eval_accuracy"
+    """Held-out metric that picks the best checkpoint (higher is better)."""
+    policy_loss: ClassVar[str] = "grpo"
+    """The PolicyActor's loss ('grpo': PPO-clip surrogate; 'dro': DRO's, arXiv:2506.13351)."""
+    needs_logprob_sums: ClassVar[bool] = False
+    """Whether `observe` needs each rollout's summed trainer log-prob from the update."""
+    trains_every_row: ClassVar[bool] = False
+    """Whether the loss normaliser counts rows without loss tokens (they must reach the trainer)."""
+    senior_tokens_only: ClassVar[bool] = False
+    """Whether the PolicyActor must train only on the senior's tokens of co-written rollouts."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+
+    # --- set-up -----------------------------------------------------------------------------
+    def start(self, run: StepServices) -> None:
+        """Once, before the first step or a resume: start workers, load caches."""
+
+    def kl_coef(self) -> float:
+        """Coefficient of the k3 KL to the reference policy in the loss."""
+        return self.cfg.training.kl_coef
+
+    def generator_settings(self, model_dir: Path) -> dict[str, Any]:
+        """Extra GeneratorActor arguments the method needs (e.g. Tandem's junior)."""
+        return {}
+
+    # --- one step ---------------------------------------------------------------------------
+    def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
+        """Keyword arguments of `StepServices.generate` for the step's training rollouts."""
+        return {}
+
+    def collect(
+        self,
+        run: StepServices,
+        problems: list[Problem],
+        plan: dict[str, Any],
+        params: SamplingParams,
+        step: int,
+        times: dict[str, float],
+    ) -> Collected:
+        """Generate the planned rollouts and score them; `times` gets generate/verify seconds."""
+        with timed(times, "time_generate"):
+            rollouts = run.generate(
+                problems, plan["n"], params, step, **self.rollout_options(plan, step)
+            )
+        with timed(times, "time_verify"):
+            self.score(run, rollouts, step)
+        return Collected(rollouts, rollouts)
+
+    def score(self, run: StepServices, rollouts: Rollouts, step: int) -> None:
+        """Rewards of the step's rollouts: the verifier's."""
+        run.verify(rollouts)
+
+    def shape(
+        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        """The training batch (advantages on response tokens) and shaping metrics."""
+        from rlvr.rollouts import shape_grpo
+
+        return shape_grpo(rollouts, self.cfg, pad_id=run.tokenizer.pad_token_id)
+
+    def observe(
+        self,
+        run: StepServices,
+        rollouts: Rollouts,
+        step: int,
+        logprob_sums: list[float] | None,
+        times: dict[str, float],
+    ) -> dict[str, Any]:
+        """After the update: fold the step into the method's running state; returns metrics."""
+        return {}
+
+    def evaluate(
+        self,
+        run: StepServices,
+        problems: list[Problem],
+        params: SamplingParams,
+        step: int,
+    ) -> dict[str, float]:
+        """The method's validation figures beside held-out accuracy (`params`: eval sampling)."""
+        return {}
+
+
+_REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(name: str) -> Callable[[type[Method]], type[Method]]:
+    """Class decorator: make `algorithm.name: <name>` select this method."""
+
+    def add(cls: type[Method]) -> type[Method]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"method {name!r} is already registered by {_REGISTRY[name]}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+register("grpo")(Method)
+
+
+def method_class(name: str) -> type[Method]:
+    """The registered method `name` (the built-in ones are imported on first lookup)."""
+    import rlvr.algorithms.methods  # noqa: F401  (registers the built-in methods)
+
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown method {name!r}; registered: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def build_method(cfg: Config) -> Method:
+    """The method `cfg.algorithm.name` names, bound to the run's config."""
+    return method_class(cfg.algorithm.name)(cfg)
+
+
+def registered() -> list[str]:
+    """Names of every registered method."""
+    import rlvr.algorithms.methods  # noqa: F401
+
+    return sorted(_REGISTRY)
+
+
+class timed:
+    """Context manager adding the seconds of its block to `times[key]`."""
+
+    def __init__(self, times: dict[str, float], key: str) -> None:
+        self.times, self.key = times, key
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.times[self.key] = self.times.get(self.key, 0.0) + time.perf_counter() - self._t0

@@ -1,0 +1,433 @@
+"""The built-in methods, registered by name: LACONIC, DUET, DRO, Tandem and DAPO on top of GRPO.
+
+Each one overrides the `Method` hooks it changes; the step loop never names a method.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlvr.algorithms import dro, duet_control, dynamic_sampling, laconic
+from rlvr.algorithms.groups import group_rows
+from rlvr.algorithms.method import (
+    Collected,
+    Method,
+    ReferenceModel,
+    StepServices,
+    register,
+    timed,
+)
+from rlvr.config import Config
+from rlvr.generation.base import SamplingParams
+from rlvr.rollouts import Rollouts, shape_duet, shape_grpo
+from rlvr.tasks.base import Problem
+from rlvr.training.batch import TrainBatch
+from rlvr.verifiers.rubric import JudgeRequest, RubricQuery, RubricSet, load_rubrics, save_rubrics
+
+log = logging.getLogger(__name__)
+
+
+@register("laconic")
+class Laconic(Method):
+    """LACONIC (Liu et al., "Length-Aware Constrained Reinforcement Learning for LLM"): GRPO on the Lagrangian reward r - lambda * c(L) with an
+    adaptive dual lambda, read once per step from the controller before any advantage."""
+
+    def shape(
+        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        lc, lam = self.cfg.algorithm.laconic, plan["laconic_lambda"]
+        lengths = np.asarray(rollouts.lengths)
+        shaped = laconic.lagrangian_rewards(rollouts.rewards, lengths, lc.budget, lam, lc.cost)
+        batch, stats = shape_grpo(
+            rollouts, self.cfg, pad_id=run.tokenizer.pad_token_id, rewards=shaped
+        )
+        # the dual sees every response of the step, before any filtering
+        lam_next = run.update_length_dual(step, float(lengths.mean()))
+        truncated = [f == "length" for f in rollouts.finish_reasons]
+        stats.update(
+            laconic.step_metrics(
+                rollouts.rewards, lengths, truncated, lc.budget, lam, lam_next, lc.cost
+            )
+        )
+        return batch, stats
+
+
+@register("duet")
+class Duet(Method):
+    """DUET (arXiv:2605.08441): per-prompt rollout counts from the controller's allocation, the
+    marker-gated stop rule inside the engine, importance-weighted advantages (Eq. 6), and the
+    per-prompt surrogate state updated from the step's log-prob sums."""
+
+    needs_logprob_sums = True
+
+    def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
+        stop = self.cfg.duet_stop(plan["duet"]["k1"], plan["duet"]["k2"], step)
+        return {"duet_stop": stop} if stop is not None else {}
+
+    def shape(
+        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        du = self.cfg.algorithm.duet
+        batch, stats = shape_duet(
+            rollouts, plan["duet"]["counts"], self.cfg, pad_id=run.tokenizer.pad_token_id
+        )
+        stats.update(
+            duet_control.step_metrics(
+                plan["duet"], rollouts.flags, rollouts.weights, rollouts.lengths, du.n_min, du.n_max
+            )
+        )
+        return batch, stats
+
+    def observe(
+        self,
+        run: StepServices,
+        rollouts: Rollouts,
+        step: int,
+        logprob_sums: list[float] | None,
+        times: dict[str, float],
+    ) -> dict[str, Any]:
+        """Fold the step's rollouts into DUET's per-prompt state and K1/K2 window (once)."""
+        kept = [not f.get("aborted", False) for f in rollouts.flags]
+        with timed(times, "time_duet_state"):
+            return run.update_duet_state(
+                step,
+                rollouts.group_ids,
+                rollouts.advantages.tolist(),
+                logprob_sums or [0.0] * len(rollouts),
+                rollouts.lengths,
+                kept,
+                run.epoch_ends_after(step),
+            )
+
+
+@register("tandem")
+class Tandem(Method):
+    """Tandem RL (arXiv:2606.28166): a frozen junior co-writes every rollout, only the senior's
+    tokens train; best checkpoint by the accuracy of tandem rollouts (section 5.1)."""
+
+    best_metric = "eval_tandem_accuracy"
+    senior_tokens_only = True
+
+    def generator_settings(self, model_dir: Path) -> dict[str, Any]:
+        from rlvr.tandem_rollouts import junior_dir
+
+        t = self.cfg.algorithm.tandem
+        return {
+            "tandem": {"junior_path": str(junior_dir(self.cfg, model_dir)), "p": t.p, "cap": t.cap}
+        }
+
+    def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
+        return {"tandem": True}
+
+    def shape(
+        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        from rlvr.tandem_rollouts import shape_tandem
+
+        return shape_tandem(rollouts, self.cfg, pad_id=run.tokenizer.pad_token_id)
+
+    def evaluate(
+        self, run: StepServices, problems: list[Problem], params: SamplingParams, step: int
+    ) -> dict[str, float]:
+        """Accuracy of tandem rollouts (the junior co-writing as in training, eval sampling)."""
+        n = {p.id: self.cfg.generation.eval_samples for p in problems}
+        rollouts = run.generate(problems, n, params, step, tandem=True)
+        run.verify(rollouts)
+        return {
+            "eval_tandem_accuracy": float(np.mean(rollouts.rewards >= 1.0)),
+            "eval_tandem_length_mean": float(np.mean(rollouts.lengths)),
+        }
+
+
+@register("dapo")
+class Dapo(Method):
+    """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2) for GRPO: drop groups whose rewards are
+    all equal and refill with fresh prompts until the step holds `prompts_per_step` informative
+    groups or `max_rounds` rounds ran, paying for every generated token."""
+
+    def collect(
+        self,
+        run: StepServices,
+        problems: list[Problem],
+        plan: dict[str, Any],
+        params: SamplingParams,
+        step: int,
+        times: dict[str, float],
+    ) -> Collected:
+        ds, group_size = self.cfg.algorithm.dapo, self.cfg.generation.group_size
+        pool = run.train_problems
+        index = {p.id: i for i, p in enumerate(pool)}
+        drawn, batch = list(problems), list(problems)
+        rounds: list[Rollouts] = []
+        kept: list[str] = []
+        dropped = 0
+        times["time_generate"] = times["time_verify"] = 0.0
+        for r in range(ds.max_rounds):
+            with timed(times, "time_generate"):
+                part = run.generate(
+                    batch,
+                    {p.id: group_size for p in batch},
+                    params,
+                    step,
+                    first_index=len(drawn) - len(batch),
+                )
+            with timed(times, "time_verify"):
+                run.verify(part)
+            rounds.append(part)
+            outcome = dynamic_sampling.sift_round(
+                part.rewards, part.group_ids, len(kept), len(problems), r, ds.max_rounds
+            )
+            kept += outcome.kept
+            dropped += len(outcome.dropped)
+            idx = dynamic_sampling.refill_indices(
+                len(pool),
+                outcome.refill,
+                [index[p.id] for p in drawn],
+                self.cfg.run.seed,
+                step,
+                r + 1,
+            )
+            if not idx:
+                break
+            batch = [pool[i] for i in idx]
+            drawn += batch
+        every = Rollouts.concat(rounds)
+        stats = {
+            "dapo_rounds": len(rounds),
+            "dapo_kept_groups": len(kept),
+            "dapo_dropped_groups": dropped,
+        }
+        return Collected(every, every.take(every.rows_of(kept)), stats)
+
+
+def needs_reference_model(cfg: Config) -> bool:
+    """Whether a DRO run needs the frozen reference model's worker (judge or R3 scorer)."""
+    d = cfg.algorithm.dro
+    return d.gates or d.scorer == "reference"
+
+
+def rubric_cache_path(cfg: Config, model_dir: Path) -> Path:
+    """`algorithm.dro.rubrics_path`, else a file keyed by task, reference model and judge: beside
+    the training file for dataset tasks, in the rlvr cache for procedural ones."""
+    from rlvr.models import cache_dir
+
+    d = cfg.algorithm.dro
+    if d.rubrics_path:
+        return Path(os.path.expanduser(d.rubrics_path))
+    key = json.dumps(
+        {
+            "task": cfg.task.model_dump(mode="json"),
+            "model": str(Path(model_dir).resolve()),
+            "judge": d.judge,
+            "delimiter": d.delimiter,
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    if cfg.task.train_path:
+        # cached with the dataset file
+        train = Path(os.path.expanduser(cfg.task.train_path))
+        return train.with_name(f"{train.stem}.rubrics-{digest}.json")
+    return cache_dir() / "dro" / f"rubrics-{digest}.json"
+
+
+def query_text(problem: Problem, instruction: str) -> str:
+    """The query with its task description, as the policy sees it (the judge's input)."""
+    from rlvr.tasks.prompts import prompt_messages
+
+    return prompt_messages(problem, instruction)[0]["content"]
+
+
+def ensure_rubrics(
+    path: Path, problems: list[Problem], cfg: Config, reference: ReferenceModel
+) -> dict[str, RubricSet]:
+    """Rubric sets of `problems`: read from the cache, the missing ones written, validated and
+    added to it by the reference model (arXiv:2506.13351, section 3.2: offline, once per query)."""
+    from rlvr.dro_rollouts import reference_text
+
+    cached = load_rubrics(path)
+    missing = [p for p in problems if p.id not in cached]
+    if missing:
+        delimiter, instruction = cfg.algorithm.dro.delimiter, cfg.task.instruction
+        log.info("writing rubrics for %d queries into %s", len(missing), path)
+        built = reference.build_rubrics(
+            [
+                RubricQuery(query_text(p, instruction), reference_text(p, delimiter).strip())
+                for p in missing
+            ]
+        )
+        cached.update({p.id: r for p, r in zip(missing, built, strict=True)})
+        save_rubrics(path, cached)
+    return {p.id: cached[p.id] for p in problems}
+
+
+@register("dro")
+class Dro(Method):
+    """DRO (arXiv:2506.13351): the reward of a CoT is the policy's R3 certainty of the reference
+    answer after it, read on the rollout weights before the weight sync; groups that fail the
+    rubric gates are dropped; DRO's loss with the 80/20 entropy cut and k3 KL coefficient beta;
+    best checkpoint by held-out mean R3 (App. F.2)."""
+
+    best_metric = "eval_r3"
+    policy_loss = "dro"
+    trains_every_row = True
+
+    def __init__(self, cfg: Config) -> None:
+        from rlvr.dro_rollouts import RejectionTally
+
+        super().__init__(cfg)
+        self.settings = cfg.algorithm.dro
+        self.reference: ReferenceModel | None = None
+        self.rubrics: dict[str, RubricSet] = {}
+        self.tally = RejectionTally()
+        self._scores: dict[str, dro.GroupScore] = {}
+        self._stats: dict[str, Any] = {}
+
+    def kl_coef(self) -> float:
+        return self.settings.beta
+
+    def start(self, run: StepServices) -> None:
+        """Start the reference model's worker, load (or write) the training queries' rubrics,
+        and rebuild the rejection tally from the run's committed metrics on resume."""
+        from rlvr.dro_rollouts import DroTokens, RejectionTally, reference_ids, reference_text
+
+        d = self.settings
+        if needs_reference_model(self.cfg):
+            self.reference = run.reference()
+        if d.gates:
+            path = rubric_cache_path(self.cfg, run.model_dir)
+            self.rubrics = ensure_rubrics(path, run.train_problems, self.cfg, self.reference)
+        self.tally = RejectionTally.from_history(run.history())
+        self.tokenizer = run.tokenizer
+        self.tokens = DroTokens.from_tokenizer(run.tokenizer, d.delimiter, d.separator)
+        problems = run.train_problems + run.test_problems
+        self.problems = {p.id: p for p in problems}
+        self.references = {
+            p.id: reference_ids(run.tokenizer, reference_text(p, d.delimiter)) for p in problems
+        }
+
+    def _judge_requests(
+        self, rollouts: Rollouts, answers: list[list[int] | None]
+    ) -> tuple[list[np.ndarray | None], list[JudgeRequest], list[int]]:
+        """Verdict rows known without a judge (no final answer: all "No"; ungated: empty), and the
+        requests for the rest with their row indices."""
+        rows: list[np.ndarray | None] = []
+        requests, where = [], []
+        instruction = self.cfg.task.instruction
+        for i, (gid, answer) in enumerate(zip(rollouts.group_ids, answers, strict=True)):
+            items = self.rubrics[gid].items
+            if answer is None or not items:
+                rows.append(np.zeros(len(items), dtype=bool))
+                continue
+            rows.append(None)
+            where.append(i)
+            text = self.tokenizer.decode(answer, skip_special_tokens=True).strip()
+            requests.append(JudgeRequest(query_text(self.problems[gid], instruction), text, items))
+        return rows, requests, where
+
+    def score(self, run: StepServices, rollouts: Rollouts, step: int) -> None:
+        """Rewards, gate verdicts and advantages of every group; R3 scoring and rubric judging run
+        at once, the exact verifier too when the task has gold answers (metrics only). The
+        time_dro_* metrics are the seconds from the start of scoring until each part was in hand."""
+        import time
+
+        from rlvr.dro_rollouts import score_groups, scoring_inputs, step_metrics
+
+        d = self.settings
+        t0 = time.perf_counter()
+        score_pending = judge_pending = None
+        inputs = scoring_inputs(rollouts, self.references, self.tokens)
+        if d.reward != "verifier":
+            score_pending = run.score_logprobs(d.scorer, inputs.sequences, inputs.positions)
+        rows: list[np.ndarray | None] = []
+        if d.gates:
+            rows, requests, where = self._judge_requests(rollouts, inputs.answers)
+            if requests:
+                judge_pending = self.reference.judge_answers(requests)
+        verified = None
+        if d.reward == "verifier" or all(rollouts.golds):
+            verified = run.verify_texts(rollouts.texts, rollouts.golds)
+        t_verify = time.perf_counter() - t0
+        ref_logprobs = None if score_pending is None else score_pending.result(step)
+        t_score = time.perf_counter() - t0
+        failures = 0
+        if judge_pending is not None:
+            verdicts, failures = judge_pending.result(step)
+            for i, verdict in zip(where, verdicts, strict=True):
+                rows[i] = verdict
+        t_judge = time.perf_counter() - t0
+        exact = None if verified is None else np.array([r for r, _ in verified], dtype=np.float64)
+        self._scores = score_groups(
+            rollouts,
+            d,
+            ref_logprobs=ref_logprobs,
+            judgments=rows if d.gates else None,
+            rewards=exact,
+        )
+        ungated = sum(
+            not self.rubrics[g].items for g in dict.fromkeys(rollouts.group_ids) if d.gates
+        )
+        self._stats = step_metrics(self._scores, self.tally, failures, ungated)
+        rollouts.rewards = np.zeros(len(rollouts))
+        for gid, idx in group_rows(rollouts.group_ids).items():
+            rollouts.rewards[idx] = self._scores[gid].rewards
+        if exact is not None:
+            rollouts.statuses = [s for _, s in verified]
+            self._stats.update(_accuracy_stats(rollouts.rewards, exact))
+        self._stats.update(time_dro_verify=t_verify, time_dro_score=t_score, time_dro_judge=t_judge)
+
+    def shape(
+        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        """The step's training batch (accepted groups only) and its DRO metrics."""
+        from rlvr.dro_rollouts import dro_batch
+
+        batch, stats = dro_batch(rollouts, self._scores, run.tokenizer.pad_token_id)
+        stats.update(self._stats)
+        return batch, stats
+
+    def evaluate(
+        self, run: StepServices, problems: list[Problem], params: SamplingParams, step: int
+    ) -> dict[str, float]:
+        """Held-out reference certainty after the policy's own CoTs, `group_size` rollouts per
+        query drawn with the training sampler: mean Avg Prob per rollout, and mean R3 per group,
+        the validation reward that picks the best checkpoint (arXiv:2506.13351, App. F.2)."""
+        from rlvr.dro_rollouts import scoring_inputs
+
+        g = self.cfg.generation
+        train_params = SamplingParams(
+            temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens, seed=params.seed
+        )
+        rollouts = run.generate(
+            problems, {p.id: g.group_size for p in problems}, train_params, step
+        )
+        inputs = scoring_inputs(rollouts, self.references, self.tokens)
+        logps = run.score_logprobs(self.settings.scorer, inputs.sequences, inputs.positions).result(
+            step
+        )
+        d = self.settings
+        r3 = [
+            dro.r3_rewards(
+                np.exp(np.asarray([logps[i] for i in rows])), d.omega, d.clip_low, d.clip_high
+            ).mean()
+            for rows in group_rows(rollouts.group_ids).values()
+        ]
+        return {
+            "eval_ref_prob": float(np.mean([np.exp(row).mean() for row in logps])),
+            "eval_r3": float(np.mean(r3)),
+        }
+
+
+def _accuracy_stats(rewards: np.ndarray, correct: np.ndarray) -> dict[str, float]:
+    """Exact accuracy of the step's rollouts and its correlation with the DRO reward."""
+    corr = float("nan")
+    if rewards.std() > 0 and correct.std() > 0:
+        corr = float(np.corrcoef(rewards, correct)[0, 1])
+    return {"dro_exact_accuracy": float(correct.mean()), "dro_reward_accuracy_corr": corr}

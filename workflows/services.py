@@ -1,0 +1,198 @@
+"""`StepServices` over a run's workers: what a method's hooks call, as typed methods.
+
+The step loop and the methods never name an actor method by string; this module is the one place
+that turns their calls into calls on the PolicyGroup, GeneratorPool, verifier pool, controller
+and (for DRO) the frozen reference model's actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from actors.controller import NAMESPACE
+from actors.reference import ReferenceActor
+from rlvr.algorithms.method import ReferenceModel
+from rlvr.config import Config
+from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.rollouts import Rollouts
+from rlvr.tasks.base import Problem
+from rlvr.tasks.prompts import render_prompt
+from workflows.components import Components, generator_kwargs, torch_threads
+from workflows.workers import Pending, Worker
+
+REQUEST_SEED_STRIDE = 10_007
+
+
+def reference_actor_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
+    """ReferenceActor settings: the keyword judge alone, or the initial checkpoint on the
+    configured generation backend (same engine settings as the GeneratorActor)."""
+    d = cfg.algorithm.dro
+    kw: dict[str, Any] = {
+        "judge": d.judge,
+        "threads": torch_threads(cfg),
+        "max_tokens": d.judge_max_tokens,
+        "max_model_len": cfg.generation.max_model_len,
+        "seed": cfg.run.seed,
+    }
+    if d.judge == "reference":
+        engine = generator_kwargs(cfg, model_dir)
+        for key in ("max_model_len", "seed", "threads"):
+            engine.pop(key, None)
+        kw.update(engine)
+    return kw
+
+
+class ReferenceClient:
+    """Typed calls on the frozen reference model's worker (`ReferenceModel`); `close` stops it."""
+
+    def __init__(self, worker: Worker, close: Callable[[], None]) -> None:
+        self.worker, self.close = worker, close
+
+    def build_rubrics(self, queries: list[Any]) -> list[Any]:
+        return self.worker.run("build_rubrics", queries)
+
+    def judge_answers(self, requests: list[Any]) -> Pending:
+        return Pending(self.worker, self.worker.call("judge_answers", requests))
+
+    def score_logprobs(self, sequences: list[list[int]], positions: list[list[int]]) -> Pending:
+        return Pending(self.worker, self.worker.call("score_logprobs", sequences, positions))
+
+
+def start_reference(
+    cfg: Config, model_dir: Path, comps: Components | None, use_actors: bool
+) -> ReferenceClient:
+    """The ReferenceActor (a Ray actor, or in this process); its shutdown joins `comps`' when
+    given, else the caller closes it."""
+    kwargs = reference_actor_kwargs(cfg, model_dir)
+    if use_actors:
+        handle = (
+            ray.remote(ReferenceActor)
+            .options(name=f"rlvr-reference-{cfg.run.name}", namespace=NAMESPACE, num_cpus=0)
+            .remote(**kwargs)
+        )
+        client = ReferenceClient(
+            Worker(handle, "ReferenceActor"), lambda: ray.kill(handle, no_restart=True)
+        )
+    else:
+        actor = ReferenceActor(**kwargs)
+        client = ReferenceClient(Worker(actor, "ReferenceActor"), actor.close)
+    if comps is not None:
+        comps._cleanup.append(client.close)
+    if use_actors:
+        client.worker.run("ready")
+    return client
+
+
+@dataclass
+class RunServices:
+    """The run's workers and inputs as the method hooks see them (`StepServices`)."""
+
+    cfg: Config
+    model_dir: Path
+    comps: Components
+    tokenizer: Any
+    train_problems: list[Problem]
+    test_problems: list[Problem]
+    use_actors: bool = True
+    committed_metrics: list[dict[str, Any]] = field(default_factory=list)
+    epochs: Any = None
+    """The prompt sampler (`epoch_of(step)`)."""
+    _reference: ReferenceClient | None = None
+    _prompt_cache: dict[str, list[int]] = field(default_factory=dict)
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """The problem's prompt ids as every pass renders them (task.instruction, chat_template)."""
+        if problem.id not in self._prompt_cache:
+            task = self.cfg.task
+            self._prompt_cache[problem.id] = render_prompt(
+                self.tokenizer, problem, task.instruction, task.chat_template
+            )
+        return self._prompt_cache[problem.id]
+
+    def generate(
+        self,
+        problems: list[Problem],
+        n: dict[str, int],
+        params: SamplingParams,
+        step: int,
+        duet_stop: dict[str, Any] | None = None,
+        tandem: bool = False,
+        first_index: int = 0,
+    ) -> Rollouts:
+        """Sample n[id] responses per problem; `duet_stop` runs DUET's stop rule in the engine;
+        `tandem` co-writes every response with the frozen junior. `first_index` is the step-wide
+        index of the first problem (DAPO's refill rounds continue the step's seed streams)."""
+        base = params.seed if params.seed is not None else 0
+        # each prompt its own seed stream: sample j of prompt i draws from base + STRIDE * i + j
+        requests = [
+            GenerationRequest(
+                self.prompt_ids(p),
+                n=n[p.id],
+                request_id=p.id,
+                seed=base + REQUEST_SEED_STRIDE * (first_index + i),
+            )
+            for i, p in enumerate(problems)
+        ]
+        extra: dict[str, Any] = {"duet_stop": duet_stop} if duet_stop is not None else {}
+        if tandem:
+            extra["tandem"] = True
+        results = self.comps.generator.run("generate", requests, params, step=step, **extra)
+        return Rollouts.from_results(results, {p.id: p.answer for p in problems})
+
+    def verify(self, rollouts: Rollouts) -> None:
+        scored = self.verify_texts(rollouts.texts, rollouts.golds)
+        rollouts.rewards = np.array([r for r, _ in scored], dtype=np.float64)
+        rollouts.statuses = [s for _, s in scored]
+
+    def verify_texts(self, texts: list[str], golds: list[str]) -> list[tuple[float, str]]:
+        return self.comps.verifier.score(texts, golds)
+
+    def score_logprobs(
+        self, scorer: str, sequences: list[list[int]], positions: list[list[int]]
+    ) -> Pending:
+        if scorer == "reference":
+            return self.reference().score_logprobs(sequences, positions)
+        group = {"generator": self.comps.generator, "trainer": self.comps.policy}[scorer]
+        return Pending(group, group.call("score_logprobs", sequences, positions))
+
+    def reference(self) -> ReferenceModel:
+        if self._reference is None:
+            self._reference = start_reference(self.cfg, self.model_dir, self.comps, self.use_actors)
+        return self._reference
+
+    def update_length_dual(self, step: int, mean_length: float) -> float:
+        return self.comps.controller.run("update_length_dual", step, mean_length, step=step)
+
+    def update_duet_state(
+        self,
+        step: int,
+        prompt_ids: list[str],
+        advantages: list[float],
+        logprob_sums: list[float],
+        lengths: list[int],
+        kept: list[bool],
+        epoch_end: bool,
+    ) -> dict[str, Any]:
+        return self.comps.controller.run(
+            "update_duet_state",
+            step,
+            prompt_ids,
+            advantages,
+            logprob_sums,
+            lengths,
+            kept,
+            epoch_end,
+            step=step,
+        )
+
+    def epoch_ends_after(self, step: int) -> bool:
+        return self.epochs.epoch_of(step + 1) > self.epochs.epoch_of(step)
+
+    def history(self) -> list[dict[str, Any]]:
+        return self.committed_metrics
