@@ -1,6 +1,6 @@
 """ControllerActor: the named owner of training-time control state (`rlvr-controller-<run>`).
 
-A thin shell over `rlvr.controller.TrainingController`; being a single actor makes it the only
+A thin shell over `rlvr.run.controller.TrainingController`; being a single actor makes it the only
 writer, and every update carries its step so retries are no-ops. Notebooks attach to it by name.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlvr.controller import TrainingController
-from rlvr.csa_service import CSAStreamHost, StreamSpec
+from rlvr.run.controller import TrainingController
+from rlvr.serving.streams import CSAStreamHost, StreamSpec
 
 NAMESPACE = "rlvr"
 
@@ -74,7 +74,7 @@ class ControllerActor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state.load_state_dict(state)
 
-    # CSA streams (rlvr.csa_service): this actor is their only writer, so seq order is the filtration.
+    # CSA streams (rlvr.serving.streams): this actor is their only writer, so seq order is the filtration.
 
     def _csa(self) -> CSAStreamHost:
         if self.csa is None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rlvr.algorithms.duet_stop import StopControllerFactory
+from rlvr.algorithms.duet.stop import StopControllerFactory
 from rlvr.algorithms.tandem import WordSwitchSchedule, word_boundary_ids
 from rlvr.generation import make_backend
 from rlvr.generation.base import (

@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from rlvr.algorithms.csa import Calibrator, CSABatch, CSAController, make_grid
-from rlvr.algorithms.csa_baselines import BASELINES
-from rlvr.algorithms.csa_streams import (
+from rlvr.algorithms.csa.baselines import BASELINES
+from rlvr.algorithms.csa.streams import (
     REPLAY_CELLS,
     SYNTHETIC_CELLS,
     logistic_fail_prob,
@@ -203,7 +203,7 @@ def plot(traces: dict, out: Path) -> list[Path]:
 
 def overhead(rounds: int, durable_rounds: int, seed: int) -> dict[str, dict[str, float]]:
     """Median and p90 microseconds of decide + observe per round, one stream, labels in order."""
-    from rlvr.csa_service import CSAStreamHost, StreamSpec
+    from rlvr.serving.streams import CSAStreamHost, StreamSpec
 
     st = synthetic_cell("iid", 1, rounds, seed)
     scores, passed = st.scores[0].tolist(), st.passed[0].tolist()
@@ -255,7 +255,7 @@ def http_latency(backend: str, repeats: int, warmup: int) -> dict:
     from ray import serve
 
     from rlvr.config import load_config
-    from rlvr.serve_config import load_serve_config
+    from rlvr.serving.config import load_serve_config
     from rlvr.tasks import load_task
     from rlvr.tasks.prompts import prompt_messages
     from workflows.calibrate import run_calibrate

@@ -141,7 +141,7 @@ def run_seed(
     from transformers import AutoTokenizer
 
     from rlvr.config import load_config
-    from rlvr.rundir import RunDir
+    from rlvr.run.rundir import RunDir
     from workflows.components import start_components
     from workflows.train import Trainer, prepare
 

@@ -50,7 +50,7 @@ def run(
     from transformers import AutoTokenizer
 
     from rlvr.config import load_config
-    from rlvr.rundir import RunDir
+    from rlvr.run.rundir import RunDir
     from workflows.cli import init_ray
     from workflows.components import start_components
     from workflows.train import Trainer, prepare

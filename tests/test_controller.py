@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlvr.controller import StepOrderError, TrainingController
+from rlvr.run.controller import StepOrderError, TrainingController
 
 
 def test_plan_and_observe_once():

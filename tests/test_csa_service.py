@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from rlvr.algorithms.csa import AlreadyLabelledError, CSAController, UnknownSeqError
-from rlvr.csa_service import (
+from rlvr.serving.streams import (
     SEQ_BLOCK,
     CSAStreamHost,
     StreamSpec,

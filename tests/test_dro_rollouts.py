@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from rlvr.algorithms import dro
-from rlvr.config import DroConfig
-from rlvr.dro_rollouts import (
+from rlvr.algorithms.dro.rollouts import (
     DroTokens,
     RejectionTally,
     dro_batch,
@@ -16,9 +15,10 @@ from rlvr.dro_rollouts import (
     scoring_inputs,
     step_metrics,
 )
+from rlvr.config import DroConfig
 from rlvr.models.tiny import build_tiny_model
-from rlvr.rollouts import Rollouts
 from rlvr.tasks.base import Problem
+from rlvr.training.rollouts import Rollouts
 
 TOKENS = DroTokens(delimiters=[[50, 51]], separator=[9], stop=frozenset({0}))
 REFS = {"a": [7, 8, 10, 11], "b": [6]}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlvr.metrics import group_stats, rollout_stats
+from rlvr.run.metrics import group_stats, rollout_stats
 
 
 def test_rollout_stats_by_hand():

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from rlvr.config import apply_overrides, load_config
-from rlvr.serve_config import load_serve_config
+from rlvr.serving.config import load_serve_config
 from workflows.cli import DEMO_CONFIG, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlvr.rundir import RunDir
+from rlvr.run.rundir import RunDir
 
 
 def test_checkpoint_commit_is_atomic(tmp_path):

@@ -9,8 +9,7 @@ import pytest
 
 from rlvr.algorithms.csa import Calibrator, make_grid
 from rlvr.config import ConfigError
-from rlvr.serve_config import load_serve_config
-from rlvr.serving import (
+from rlvr.serving.api import (
     ApiError,
     Calibration,
     ChatCompletionRequest,
@@ -24,6 +23,7 @@ from rlvr.serving import (
     parse_body,
     vote,
 )
+from rlvr.serving.config import load_serve_config
 from rlvr.tasks.base import Problem
 from workflows.calibrate import cal_split
 

@@ -7,11 +7,11 @@ import torch
 
 from rlvr.algorithms.method import build_method
 from rlvr.algorithms.tandem import SwitchCounters
+from rlvr.algorithms.tandem.rollouts import junior_dir, shape_tandem
 from rlvr.config import Config, ConfigError, config_from_dict, load_config
 from rlvr.generation.tandem_support import counters_to_dict
 from rlvr.models.tiny import build_tiny_model
-from rlvr.rollouts import Rollouts
-from rlvr.tandem_rollouts import junior_dir, shape_tandem
+from rlvr.training.rollouts import Rollouts
 
 
 def test_config_defaults_follow_the_digest():

@@ -11,7 +11,7 @@ import pytest
 
 from rlvr.config import ConfigError, load_config
 from rlvr.models.tiny import build_tiny_model
-from rlvr.rundir import RunDir
+from rlvr.run.rundir import RunDir
 from rlvr.tasks import ArithmeticTask, Problem
 from workflows.train import Trainer, best_metric, prepare
 

@@ -20,7 +20,7 @@ from rlvr.config import ConfigError, load_config
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationBackend, GenerationRequest, SamplingParams
 from rlvr.models import cache_dir, resolve_model_path
-from rlvr.serving import CALIBRATION_FILE, DEFAULT_ALPHAS, Calibration, boxed, vote
+from rlvr.serving.api import CALIBRATION_FILE, DEFAULT_ALPHAS, Calibration, boxed, vote
 from rlvr.tasks import load_problems, load_task
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, render_prompt
@@ -35,7 +35,7 @@ CAL_FRACTION = 0.2
 def merge_adapter(base_dir: Path, adapter_dir: Path) -> Path:
     """An HF directory with the PEFT adapter merged into the base weights (built once, cached)."""
     from rlvr.models.tiny import publish_dir, staging_dir
-    from rlvr.serving import checkpoint_fingerprint
+    from rlvr.serving.api import checkpoint_fingerprint
 
     key = hashlib.sha256(
         f"{checkpoint_fingerprint(base_dir)}\0{checkpoint_fingerprint(adapter_dir)}".encode()
@@ -166,7 +166,7 @@ def run_calibrate(
     Bad inputs raise ConfigError before any model loads. The artefact goes to `out`, else next to
     the adapter when one is given, else into the checkpoint directory.
     """
-    from rlvr.serving import checkpoint_fingerprint
+    from rlvr.serving.api import checkpoint_fingerprint
 
     try:
         model_dir = resolve_model_path(checkpoint)

@@ -206,7 +206,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from rlvr.serve_config import load_serve_config
+    from rlvr.serving.config import load_serve_config
     from workflows.serve import prepare_serve, serve_forever
 
     cfg = load_serve_config(args.config, args.set)

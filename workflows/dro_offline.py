@@ -18,21 +18,21 @@ import numpy as np
 import torch
 
 from rlvr.algorithms import dro
-from rlvr.algorithms.groups import group_rows
-from rlvr.algorithms.methods import ensure_rubrics, rubric_cache_path
-from rlvr.config import Config
-from rlvr.dro_rollouts import (
+from rlvr.algorithms.dro.method import ensure_rubrics, rubric_cache_path
+from rlvr.algorithms.dro.rollouts import (
     DroTokens,
     reference_ids,
     reference_text,
     scoring_inputs,
 )
+from rlvr.algorithms.groups import group_rows
+from rlvr.config import Config
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
-from rlvr.rollouts import Rollouts
 from rlvr.run.files import atomic_write_text
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
+from rlvr.training.rollouts import Rollouts
 from workflows.components import generator_kwargs
 from workflows.services import start_reference
 from workflows.train import prepare

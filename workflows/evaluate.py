@@ -3,7 +3,7 @@ tandem.md section 5): solo pass@k, handoff robustness (strict and stochastic), l
 cross-entropy, distribution overlap) and marginal-token drift, written as JSON and PNG plots.
 
 Pure evaluation in this process (no Ray): generation through the backends, teacher-forced passes
-through transformers; the metric math lives in `rlvr.algorithms.tandem_metrics`.
+through transformers; the metric math lives in `rlvr.algorithms.tandem.metrics`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlvr.algorithms import tandem_metrics as tm
+from rlvr.algorithms.tandem import metrics as tm
 from rlvr.config import Config, ConfigError, config_from_dict, load_config
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationBackend, GenerationRequest, SamplingParams
 from rlvr.generation.tandem_support import check_same_tokenizer
 from rlvr.models import cache_dir, resolve_model_path
-from rlvr.rundir import RunDir
+from rlvr.run.rundir import RunDir
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.verifiers.math import MathVerifier
@@ -462,7 +462,7 @@ def run_evaluate(
         if junior is not None:
             junior_dir = resolve_model_path(junior, seed=cfg.model.seed)
         else:
-            from rlvr.tandem_rollouts import junior_dir as run_junior
+            from rlvr.algorithms.tandem.rollouts import junior_dir as run_junior
 
             junior_dir = run_junior(cfg, base_dir)
     except (FileNotFoundError, ValueError) as err:

@@ -28,11 +28,9 @@ from ray.exceptions import RayActorError
 from actors.controller import NAMESPACE, ControllerActor, controller_name
 from rlvr.algorithms.csa import AlreadyLabelledError, UnknownSeqError
 from rlvr.config import ConfigError, check_model_for_backend
-from rlvr.csa_service import StreamSpec, UnknownStreamError
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.models import resolve_model_path
-from rlvr.serve_config import ServeConfig
-from rlvr.serving import (
+from rlvr.serving.api import (
     CALIBRATION_FILE,
     ApiError,
     Calibration,
@@ -47,6 +45,8 @@ from rlvr.serving import (
     parse_body,
     vote,
 )
+from rlvr.serving.config import ServeConfig
+from rlvr.serving.streams import StreamSpec, UnknownStreamError
 from workflows.calibrate import with_adapter
 
 log = logging.getLogger(__name__)

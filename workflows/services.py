@@ -20,9 +20,9 @@ from actors.reference import ReferenceActor
 from rlvr.algorithms.method import ReferenceModel
 from rlvr.config import Config
 from rlvr.generation.base import GenerationRequest, SamplingParams
-from rlvr.rollouts import Rollouts
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
+from rlvr.training.rollouts import Rollouts
 from workflows.components import Components, generator_kwargs, torch_threads
 from workflows.workers import Pending, Worker
 

@@ -24,11 +24,11 @@ from tqdm import tqdm
 from rlvr.algorithms.method import build_method, method_class, timed
 from rlvr.config import Config, ConfigError, check_model_for_backend, config_from_dict
 from rlvr.generation.base import SamplingParams
-from rlvr.metrics import group_stats, rollout_stats
 from rlvr.models import cache_dir, resolve_model_path
 from rlvr.models.sft import sft_warmup
 from rlvr.run.files import atomic_write_text
-from rlvr.rundir import RunDir
+from rlvr.run.metrics import group_stats, rollout_stats
+from rlvr.run.rundir import RunDir
 from rlvr.tasks import load_task
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt

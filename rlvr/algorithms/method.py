@@ -14,6 +14,7 @@ runs a toy one through the actors.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,9 +24,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 if TYPE_CHECKING:
     from rlvr.config import Config
     from rlvr.generation.base import SamplingParams
-    from rlvr.rollouts import Rollouts
     from rlvr.tasks.base import Problem
     from rlvr.training.batch import TrainBatch
+    from rlvr.training.rollouts import Rollouts
 
 T = TypeVar("T")
 
@@ -177,7 +178,7 @@ class Method:
         self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
     ) -> tuple[TrainBatch, dict[str, Any]]:
         """The training batch (advantages on response tokens) and shaping metrics."""
-        from rlvr.rollouts import shape_grpo
+        from rlvr.algorithms.grpo.shaping import shape_grpo
 
         return shape_grpo(rollouts, self.cfg, pad_id=run.tokenizer.pad_token_id)
 
@@ -224,8 +225,7 @@ register("grpo")(Method)
 
 def method_class(name: str) -> type[Method]:
     """The registered method `name` (the built-in ones are imported on first lookup)."""
-    import rlvr.algorithms.methods  # noqa: F401  (registers the built-in methods)
-
+    _import_builtin_methods()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -241,9 +241,18 @@ def build_method(cfg: Config) -> Method:
 
 def registered() -> list[str]:
     """Names of every registered method."""
-    import rlvr.algorithms.methods  # noqa: F401
-
+    _import_builtin_methods()
     return sorted(_REGISTRY)
+
+
+BUILTIN_METHODS = ("laconic", "duet", "dro", "tandem", "dapo")
+"""Packages under rlvr/algorithms/ whose `method` module registers a built-in method."""
+
+
+def _import_builtin_methods() -> None:
+    """Import the built-in methods' modules (each registers itself); cheap after the first call."""
+    for name in BUILTIN_METHODS:
+        importlib.import_module(f"rlvr.algorithms.{name}.method")
 
 
 class timed:

@@ -1,1 +1,2 @@
-"""Run bookkeeping."""
+"""Run bookkeeping: the run directory, the controller's state, metrics, live views and atomic
+file writes."""

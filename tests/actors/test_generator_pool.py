@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from actors.generator import GeneratorActor
-from rlvr.algorithms.duet_stop import coin, rollout_seed
+from rlvr.algorithms.duet.stop import coin, rollout_seed
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.models.tiny import build_tiny_model
 from workflows.generator_pool import GeneratorPool, contiguous_shards

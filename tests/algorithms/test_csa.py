@@ -22,7 +22,7 @@ from rlvr.algorithms.csa import (
     plugin_bet,
     selective_risk_slack,
 )
-from rlvr.algorithms.csa_baselines import (
+from rlvr.algorithms.csa.baselines import (
     ACI,
     BASELINES,
     CRC,
@@ -35,7 +35,7 @@ from rlvr.algorithms.csa_baselines import (
     NEXConf,
     marginal_eprocess,
 )
-from rlvr.algorithms.csa_streams import (
+from rlvr.algorithms.csa.streams import (
     Streams,
     flip_labels,
     g0_selective_risk,

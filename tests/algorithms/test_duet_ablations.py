@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from rlvr.algorithms.duet import fixed_count
-from rlvr.algorithms.duet_control import DuetController
+from rlvr.algorithms.duet.control import DuetController
+from rlvr.algorithms.duet.shaping import shape_duet
 from rlvr.config import ConfigError, load_config
-from rlvr.rollouts import Rollouts, shape_duet
+from rlvr.training.rollouts import Rollouts
 
 # The step-0 data of test_duet_control: after it, prompt a has sigma sqrt(29), L_hat 25.
 IDS = ["a"] * 4 + ["b"] * 4 + ["c"] * 4

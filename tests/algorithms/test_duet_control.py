@@ -9,10 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from rlvr.algorithms.duet_control import DuetController, step_metrics
+from rlvr.algorithms.duet.control import DuetController, step_metrics
+from rlvr.algorithms.duet.shaping import shape_duet
 from rlvr.config import ConfigError, load_config
-from rlvr.controller import StepOrderError, TrainingController
-from rlvr.rollouts import Rollouts, shape_duet
+from rlvr.run.controller import StepOrderError, TrainingController
+from rlvr.training.rollouts import Rollouts
 
 IDS = ["a"] * 4 + ["b"] * 4 + ["c"] * 4
 # a: all kept, A * logp = [-2, 4, -6, 8] -> population std sqrt(29); b: one kept (no surrogate);

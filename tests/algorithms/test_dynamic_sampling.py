@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlvr.algorithms.dynamic_sampling import informative_groups, refill_indices, sift_round
+from rlvr.algorithms.dapo import informative_groups, refill_indices, sift_round
 from rlvr.config import ConfigError, load_config
-from rlvr.rollouts import Rollouts
+from rlvr.training.rollouts import Rollouts
 
 
 def test_informative_groups_drops_all_equal_and_singletons():

@@ -9,7 +9,7 @@ import torch
 
 from rlvr.algorithms.counter_rng import uniform
 from rlvr.algorithms.tandem import JUNIOR, SENIOR
-from rlvr.algorithms.tandem_metrics import (
+from rlvr.algorithms.tandem.metrics import (
     Turn,
     TurnRequest,
     bootstrap_macro_se,

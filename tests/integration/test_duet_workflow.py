@@ -9,8 +9,8 @@ import signal
 import time
 from collections import Counter
 
-from rlvr.algorithms.duet_control import DuetController
-from rlvr.controller import TrainingController
+from rlvr.algorithms.duet.control import DuetController
+from rlvr.run.controller import TrainingController
 from workflows.train import load_run_config
 
 # 4 training prompts, 4 per step: every step revisits every prompt, so step 1 already allocates

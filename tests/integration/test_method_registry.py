@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 from rlvr.algorithms.method import Method, StepServices, register
 from rlvr.config import ConfigError, load_config
 from rlvr.generation.base import SamplingParams
-from rlvr.rollouts import Rollouts
-from rlvr.rundir import RunDir
+from rlvr.run.rundir import RunDir
 from rlvr.tasks.base import Problem
+from rlvr.training.rollouts import Rollouts
 from workflows.components import start_components
 from workflows.train import Trainer, best_metric, prepare
 

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from rlvr.rundir import RunDir
+from rlvr.run.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "inspect_run.ipynb"

@@ -22,7 +22,7 @@ import yaml
 
 from rlvr.algorithms.csa import Calibrator, CSAController, make_grid
 from rlvr.config import load_config
-from rlvr.serving import Calibration, boxed, checkpoint_fingerprint
+from rlvr.serving.api import Calibration, boxed, checkpoint_fingerprint
 from rlvr.tasks import load_task
 from rlvr.tasks.prompts import prompt_messages
 from rlvr.verifiers.extract import extract_answer
@@ -67,7 +67,7 @@ def test_cli_rejects_bad_serve_config_before_starting(capsys, tmp_path):
 
 
 def test_calibrate_writes_map_and_grid_that_serve_accepts(sft_model, tmp_path, capsys):
-    from rlvr.serve_config import load_serve_config
+    from rlvr.serving.config import load_serve_config
     from workflows.serve import prepare_serve
 
     out = tmp_path / "cal.json"
@@ -139,7 +139,7 @@ def server(ray_cluster, sft_model, tmp_path_factory):
     """The app on a free loopback port: 2 replicas sharing 5 streams through one ControllerActor."""
     from ray import serve
 
-    from rlvr.serve_config import load_serve_config
+    from rlvr.serving.config import load_serve_config
     from workflows.serve import prepare_serve, start_serving
 
     tmp = tmp_path_factory.mktemp("serve")

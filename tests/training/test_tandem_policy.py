@@ -11,13 +11,14 @@ from transformers import AutoModelForCausalLM
 
 from actors.generator import GeneratorActor
 from actors.policy import PolicyActor
+from rlvr.algorithms.grpo.shaping import shape_grpo
 from rlvr.algorithms.tandem import SwitchCounters
+from rlvr.algorithms.tandem.rollouts import shape_tandem
 from rlvr.config import Config
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.generation.tandem_support import counters_to_dict
 from rlvr.models.tiny import build_tiny_model
-from rlvr.rollouts import Rollouts, shape_grpo
-from rlvr.tandem_rollouts import shape_tandem
+from rlvr.training.rollouts import Rollouts
 
 POLICY = {"threads": 1, "zero_stage": 0, "lr": 1e-2, "micro_batch_size": 4, "seed": 0}
 PROMPTS = [[3, 4, 5], [3, 4, 5], [6, 7], [6, 7]]

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from rlvr.algorithms.duet import StepPlan, calibration_chi2, plan_step
-from rlvr.algorithms.duet_state import LengthWindow, PromptState
+from rlvr.algorithms.duet.state import LengthWindow, PromptState
 
 
 class DuetController:

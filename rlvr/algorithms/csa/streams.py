@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rlvr.algorithms.csa import CSABatch, selective_risk_slack
-from rlvr.algorithms.csa_baselines import SelectiveMethod
+from rlvr.algorithms.csa.baselines import SelectiveMethod
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""A step's rollouts as flat arrays, and GRPO shaping of them into a training batch.
+"""A step's rollouts as flat arrays: one row per sampled response, grouped by prompt.
 
-Flattening happens once, right after generation; scoring fills `rewards`, shaping computes
-group advantages (over ALL rollouts of each prompt) and builds the padded `TrainBatch`. DUET's
-shaping also weights each rollout and masks the aborted ones out of the loss.
+Flattening happens once, right after generation; scoring fills `rewards`, and a method's shaping
+(`rlvr.algorithms.grpo.shaping`, `rlvr.algorithms.duet.shaping`, ...) turns them into the padded
+`TrainBatch`.
 """
 
 from __future__ import annotations
@@ -12,13 +12,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
-import torch
 
-from rlvr.algorithms import duet
 from rlvr.algorithms.groups import group_rows
-from rlvr.algorithms.grpo import group_advantages
 from rlvr.generation.base import GenerationResult
-from rlvr.training.batch import TrainBatch, build_batch
 
 
 @dataclass
@@ -151,62 +147,3 @@ class Rollouts:
                 record["weight"] = float(self.weights[i])
             records.append(record)
         return records
-
-
-def shape_grpo(
-    rollouts: Rollouts, cfg: Any, pad_id: int, rewards: np.ndarray | None = None
-) -> tuple[TrainBatch, dict[str, float]]:
-    """GRPO advantages per prompt group, broadcast to the response tokens of a padded batch.
-
-    `rewards` replaces the verifier rewards when a method shapes them first (LACONIC's Lagrangian).
-    """
-    adv = group_advantages(
-        rollouts.rewards if rewards is None else rewards,
-        rollouts.group_ids,
-        scale=cfg.algorithm.advantage_scale,
-        eps=cfg.algorithm.advantage_eps,
-    )
-    batch = build_batch(
-        rollouts.prompt_ids,
-        rollouts.response_ids,
-        pad_id,
-        rollout_logprobs=rollouts.engine_logprobs,
-    )
-    batch.advantages = torch.as_tensor(np.asarray(adv), dtype=torch.float32)
-    stats = {
-        "advantage_abs_mean": float(np.mean(np.abs(adv))),
-        "nonzero_advantage_frac": float(np.mean(np.abs(adv) > 0)),
-    }
-    return batch, stats
-
-
-def shape_duet(
-    rollouts: Rollouts, counts: list[int], cfg: Any, pad_id: int
-) -> tuple[TrainBatch, dict[str, float]]:
-    """DUET's weighted advantages (Eq. 6) in a padded batch; aborted rollouts get no loss tokens.
-
-    `counts[q]` is the number of consecutive rows of prompt q (the plan's counts, in request
-    order). GRPO advantages are taken over all rows of a prompt, aborted ones included, then
-    scaled by w = (1 - I_abort) / (s_pre * p_abort); the batch carries w * A. Sets
-    `rollouts.advantages` (unweighted, for the surrogate) and `rollouts.weights`.
-    """
-    du = cfg.algorithm.duet
-    weights, kept = duet.rollout_weights(counts, rollouts.flags, du.eps_pre, du.eps_abort)
-    adv, weighted = duet.duet_advantages(
-        rollouts.rewards, counts, weights, eps=cfg.algorithm.advantage_eps
-    )
-    rollouts.advantages, rollouts.weights = adv, weights
-    masks = [[bool(k)] * len(r) for k, r in zip(kept, rollouts.response_ids, strict=True)]
-    batch = build_batch(
-        rollouts.prompt_ids,
-        rollouts.response_ids,
-        pad_id,
-        loss_masks=masks,
-        rollout_logprobs=rollouts.engine_logprobs,
-    )
-    batch.advantages = torch.as_tensor(weighted, dtype=torch.float32)
-    stats = {
-        "advantage_abs_mean": float(np.mean(np.abs(adv))),
-        "nonzero_advantage_frac": float(np.mean(np.abs(weighted) > 0)),
-    }
-    return batch, stats

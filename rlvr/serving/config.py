@@ -18,7 +18,7 @@ from rlvr.config import (
     format_validation_error,
     read_yaml_sections,
 )
-from rlvr.csa_service import STREAM_NAME
+from rlvr.serving.streams import STREAM_NAME
 
 
 class ServeModelConfig(Section):

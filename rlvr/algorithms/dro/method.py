@@ -1,7 +1,5 @@
-"""The built-in methods, registered by name: LACONIC, DUET, DRO, Tandem and DAPO on top of GRPO.
-
-Each one overrides the `Method` hooks it changes; the step loop never names a method.
-"""
+"""DRO's hooks in the step loop: the reference model's worker and rubrics, R3 scoring with rubric
+judging, the accepted-groups batch and the held-out R3 that picks the best checkpoint."""
 
 from __future__ import annotations
 
@@ -9,202 +7,35 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rlvr.algorithms import dro, duet_control, dynamic_sampling, laconic
-from rlvr.algorithms.groups import group_rows
-from rlvr.algorithms.method import (
-    Collected,
-    Method,
-    ReferenceModel,
-    StepServices,
-    register,
-    timed,
+from rlvr.algorithms import dro
+from rlvr.algorithms.dro.rollouts import (
+    DroTokens,
+    RejectionTally,
+    dro_batch,
+    reference_ids,
+    reference_text,
+    score_groups,
+    scoring_inputs,
+    step_metrics,
 )
+from rlvr.algorithms.groups import group_rows
+from rlvr.algorithms.method import Method, ReferenceModel, StepServices, register
 from rlvr.config import Config
 from rlvr.generation.base import SamplingParams
-from rlvr.rollouts import Rollouts, shape_duet, shape_grpo
+from rlvr.models import cache_dir
 from rlvr.tasks.base import Problem
+from rlvr.tasks.prompts import prompt_messages
 from rlvr.training.batch import TrainBatch
+from rlvr.training.rollouts import Rollouts
 from rlvr.verifiers.rubric import JudgeRequest, RubricQuery, RubricSet, load_rubrics, save_rubrics
 
 log = logging.getLogger(__name__)
-
-
-@register("laconic")
-class Laconic(Method):
-    """LACONIC (Liu et al., "Length-Aware Constrained Reinforcement Learning for LLM"): GRPO on the Lagrangian reward r - lambda * c(L) with an
-    adaptive dual lambda, read once per step from the controller before any advantage."""
-
-    def shape(
-        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
-    ) -> tuple[TrainBatch, dict[str, Any]]:
-        lc, lam = self.cfg.algorithm.laconic, plan["laconic_lambda"]
-        lengths = np.asarray(rollouts.lengths)
-        shaped = laconic.lagrangian_rewards(rollouts.rewards, lengths, lc.budget, lam, lc.cost)
-        batch, stats = shape_grpo(
-            rollouts, self.cfg, pad_id=run.tokenizer.pad_token_id, rewards=shaped
-        )
-        # the dual sees every response of the step, before any filtering
-        lam_next = run.update_length_dual(step, float(lengths.mean()))
-        truncated = [f == "length" for f in rollouts.finish_reasons]
-        stats.update(
-            laconic.step_metrics(
-                rollouts.rewards, lengths, truncated, lc.budget, lam, lam_next, lc.cost
-            )
-        )
-        return batch, stats
-
-
-@register("duet")
-class Duet(Method):
-    """DUET (arXiv:2605.08441): per-prompt rollout counts from the controller's allocation, the
-    marker-gated stop rule inside the engine, importance-weighted advantages (Eq. 6), and the
-    per-prompt surrogate state updated from the step's log-prob sums."""
-
-    needs_logprob_sums = True
-
-    def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
-        stop = self.cfg.duet_stop(plan["duet"]["k1"], plan["duet"]["k2"], step)
-        return {"duet_stop": stop} if stop is not None else {}
-
-    def shape(
-        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
-    ) -> tuple[TrainBatch, dict[str, Any]]:
-        du = self.cfg.algorithm.duet
-        batch, stats = shape_duet(
-            rollouts, plan["duet"]["counts"], self.cfg, pad_id=run.tokenizer.pad_token_id
-        )
-        stats.update(
-            duet_control.step_metrics(
-                plan["duet"], rollouts.flags, rollouts.weights, rollouts.lengths, du.n_min, du.n_max
-            )
-        )
-        return batch, stats
-
-    def observe(
-        self,
-        run: StepServices,
-        rollouts: Rollouts,
-        step: int,
-        logprob_sums: list[float] | None,
-        times: dict[str, float],
-    ) -> dict[str, Any]:
-        """Fold the step's rollouts into DUET's per-prompt state and K1/K2 window (once)."""
-        kept = [not f.get("aborted", False) for f in rollouts.flags]
-        with timed(times, "time_duet_state"):
-            return run.update_duet_state(
-                step,
-                rollouts.group_ids,
-                rollouts.advantages.tolist(),
-                logprob_sums or [0.0] * len(rollouts),
-                rollouts.lengths,
-                kept,
-                run.epoch_ends_after(step),
-            )
-
-
-@register("tandem")
-class Tandem(Method):
-    """Tandem RL (arXiv:2606.28166): a frozen junior co-writes every rollout, only the senior's
-    tokens train; best checkpoint by the accuracy of tandem rollouts (section 5.1)."""
-
-    best_metric = "eval_tandem_accuracy"
-    senior_tokens_only = True
-
-    def generator_settings(self, model_dir: Path) -> dict[str, Any]:
-        from rlvr.tandem_rollouts import junior_dir
-
-        t = self.cfg.algorithm.tandem
-        return {
-            "tandem": {"junior_path": str(junior_dir(self.cfg, model_dir)), "p": t.p, "cap": t.cap}
-        }
-
-    def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
-        return {"tandem": True}
-
-    def shape(
-        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
-    ) -> tuple[TrainBatch, dict[str, Any]]:
-        from rlvr.tandem_rollouts import shape_tandem
-
-        return shape_tandem(rollouts, self.cfg, pad_id=run.tokenizer.pad_token_id)
-
-    def evaluate(
-        self, run: StepServices, problems: list[Problem], params: SamplingParams, step: int
-    ) -> dict[str, float]:
-        """Accuracy of tandem rollouts (the junior co-writing as in training, eval sampling)."""
-        n = {p.id: self.cfg.generation.eval_samples for p in problems}
-        rollouts = run.generate(problems, n, params, step, tandem=True)
-        run.verify(rollouts)
-        return {
-            "eval_tandem_accuracy": float(np.mean(rollouts.rewards >= 1.0)),
-            "eval_tandem_length_mean": float(np.mean(rollouts.lengths)),
-        }
-
-
-@register("dapo")
-class Dapo(Method):
-    """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2) for GRPO: drop groups whose rewards are
-    all equal and refill with fresh prompts until the step holds `prompts_per_step` informative
-    groups or `max_rounds` rounds ran, paying for every generated token."""
-
-    def collect(
-        self,
-        run: StepServices,
-        problems: list[Problem],
-        plan: dict[str, Any],
-        params: SamplingParams,
-        step: int,
-        times: dict[str, float],
-    ) -> Collected:
-        ds, group_size = self.cfg.algorithm.dapo, self.cfg.generation.group_size
-        pool = run.train_problems
-        index = {p.id: i for i, p in enumerate(pool)}
-        drawn, batch = list(problems), list(problems)
-        rounds: list[Rollouts] = []
-        kept: list[str] = []
-        dropped = 0
-        times["time_generate"] = times["time_verify"] = 0.0
-        for r in range(ds.max_rounds):
-            with timed(times, "time_generate"):
-                part = run.generate(
-                    batch,
-                    {p.id: group_size for p in batch},
-                    params,
-                    step,
-                    first_index=len(drawn) - len(batch),
-                )
-            with timed(times, "time_verify"):
-                run.verify(part)
-            rounds.append(part)
-            outcome = dynamic_sampling.sift_round(
-                part.rewards, part.group_ids, len(kept), len(problems), r, ds.max_rounds
-            )
-            kept += outcome.kept
-            dropped += len(outcome.dropped)
-            idx = dynamic_sampling.refill_indices(
-                len(pool),
-                outcome.refill,
-                [index[p.id] for p in drawn],
-                self.cfg.run.seed,
-                step,
-                r + 1,
-            )
-            if not idx:
-                break
-            batch = [pool[i] for i in idx]
-            drawn += batch
-        every = Rollouts.concat(rounds)
-        stats = {
-            "dapo_rounds": len(rounds),
-            "dapo_kept_groups": len(kept),
-            "dapo_dropped_groups": dropped,
-        }
-        return Collected(every, every.take(every.rows_of(kept)), stats)
 
 
 def needs_reference_model(cfg: Config) -> bool:
@@ -216,7 +47,6 @@ def needs_reference_model(cfg: Config) -> bool:
 def rubric_cache_path(cfg: Config, model_dir: Path) -> Path:
     """`algorithm.dro.rubrics_path`, else a file keyed by task, reference model and judge: beside
     the training file for dataset tasks, in the rlvr cache for procedural ones."""
-    from rlvr.models import cache_dir
 
     d = cfg.algorithm.dro
     if d.rubrics_path:
@@ -240,7 +70,6 @@ def rubric_cache_path(cfg: Config, model_dir: Path) -> Path:
 
 def query_text(problem: Problem, instruction: str) -> str:
     """The query with its task description, as the policy sees it (the judge's input)."""
-    from rlvr.tasks.prompts import prompt_messages
 
     return prompt_messages(problem, instruction)[0]["content"]
 
@@ -250,7 +79,6 @@ def ensure_rubrics(
 ) -> dict[str, RubricSet]:
     """Rubric sets of `problems`: read from the cache, the missing ones written, validated and
     added to it by the reference model (arXiv:2506.13351, section 3.2: offline, once per query)."""
-    from rlvr.dro_rollouts import reference_text
 
     cached = load_rubrics(path)
     missing = [p for p in problems if p.id not in cached]
@@ -280,7 +108,6 @@ class Dro(Method):
     trains_every_row = True
 
     def __init__(self, cfg: Config) -> None:
-        from rlvr.dro_rollouts import RejectionTally
 
         super().__init__(cfg)
         self.settings = cfg.algorithm.dro
@@ -296,7 +123,6 @@ class Dro(Method):
     def start(self, run: StepServices) -> None:
         """Start the reference model's worker, load (or write) the training queries' rubrics,
         and rebuild the rejection tally from the run's committed metrics on resume."""
-        from rlvr.dro_rollouts import DroTokens, RejectionTally, reference_ids, reference_text
 
         d = self.settings
         if needs_reference_model(self.cfg):
@@ -336,9 +162,6 @@ class Dro(Method):
         """Rewards, gate verdicts and advantages of every group; R3 scoring and rubric judging run
         at once, the exact verifier too when the task has gold answers (metrics only). The
         time_dro_* metrics are the seconds from the start of scoring until each part was in hand."""
-        import time
-
-        from rlvr.dro_rollouts import score_groups, scoring_inputs, step_metrics
 
         d = self.settings
         t0 = time.perf_counter()
@@ -387,7 +210,6 @@ class Dro(Method):
         self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
     ) -> tuple[TrainBatch, dict[str, Any]]:
         """The step's training batch (accepted groups only) and its DRO metrics."""
-        from rlvr.dro_rollouts import dro_batch
 
         batch, stats = dro_batch(rollouts, self._scores, run.tokenizer.pad_token_id)
         stats.update(self._stats)
@@ -399,7 +221,6 @@ class Dro(Method):
         """Held-out reference certainty after the policy's own CoTs, `group_size` rollouts per
         query drawn with the training sampler: mean Avg Prob per rollout, and mean R3 per group,
         the validation reward that picks the best checkpoint (arXiv:2506.13351, App. F.2)."""
-        from rlvr.dro_rollouts import scoring_inputs
 
         g = self.cfg.generation
         train_params = SamplingParams(

@@ -17,9 +17,9 @@ import torch
 
 from rlvr.algorithms import dro
 from rlvr.algorithms.groups import group_rows
-from rlvr.rollouts import Rollouts
 from rlvr.tasks.base import Problem
 from rlvr.training.batch import TrainBatch, build_batch
+from rlvr.training.rollouts import Rollouts
 
 
 def reference_text(problem: Problem, delimiter: str) -> str:

@@ -14,7 +14,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from rlvr.rundir import RunDir
+from rlvr.run.rundir import RunDir
 
 ROLLOUT_COLUMNS = (
     "step",

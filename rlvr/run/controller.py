@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlvr.algorithms.duet_control import DuetController
+from rlvr.algorithms.duet.control import DuetController
 from rlvr.algorithms.laconic import DualState
 
 

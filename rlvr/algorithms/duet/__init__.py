@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from rlvr.algorithms.duet_state import LengthWindow, PromptState
-from rlvr.algorithms.duet_stop import (
+from rlvr.algorithms.duet.state import LengthWindow, PromptState
+from rlvr.algorithms.duet.stop import (
     MARKER_DOMAINS,
     StopController,
     StopControllerFactory,

@@ -1,0 +1,60 @@
+"""DUET's hooks in the step loop: planned counts, the in-engine stop rule, weighted shaping and
+the per-prompt state update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlvr.algorithms.duet import control as duet_control
+from rlvr.algorithms.duet.shaping import shape_duet
+from rlvr.algorithms.method import Method, StepServices, register, timed
+from rlvr.training.batch import TrainBatch
+from rlvr.training.rollouts import Rollouts
+
+
+@register("duet")
+class Duet(Method):
+    """DUET (arXiv:2605.08441): per-prompt rollout counts from the controller's allocation, the
+    marker-gated stop rule inside the engine, importance-weighted advantages (Eq. 6), and the
+    per-prompt surrogate state updated from the step's log-prob sums."""
+
+    needs_logprob_sums = True
+
+    def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
+        stop = self.cfg.duet_stop(plan["duet"]["k1"], plan["duet"]["k2"], step)
+        return {"duet_stop": stop} if stop is not None else {}
+
+    def shape(
+        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        du = self.cfg.algorithm.duet
+        batch, stats = shape_duet(
+            rollouts, plan["duet"]["counts"], self.cfg, pad_id=run.tokenizer.pad_token_id
+        )
+        stats.update(
+            duet_control.step_metrics(
+                plan["duet"], rollouts.flags, rollouts.weights, rollouts.lengths, du.n_min, du.n_max
+            )
+        )
+        return batch, stats
+
+    def observe(
+        self,
+        run: StepServices,
+        rollouts: Rollouts,
+        step: int,
+        logprob_sums: list[float] | None,
+        times: dict[str, float],
+    ) -> dict[str, Any]:
+        """Fold the step's rollouts into DUET's per-prompt state and K1/K2 window (once)."""
+        kept = [not f.get("aborted", False) for f in rollouts.flags]
+        with timed(times, "time_duet_state"):
+            return run.update_duet_state(
+                step,
+                rollouts.group_ids,
+                rollouts.advantages.tolist(),
+                logprob_sums or [0.0] * len(rollouts),
+                rollouts.lengths,
+                kept,
+                run.epoch_ends_after(step),
+            )

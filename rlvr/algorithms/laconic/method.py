@@ -1,0 +1,38 @@
+"""LACONIC's hooks in the step loop: the Lagrangian reward and the once-per-step dual update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from rlvr.algorithms import laconic
+from rlvr.algorithms.grpo.shaping import shape_grpo
+from rlvr.algorithms.method import Method, StepServices, register
+from rlvr.training.batch import TrainBatch
+from rlvr.training.rollouts import Rollouts
+
+
+@register("laconic")
+class Laconic(Method):
+    """LACONIC (Liu et al., "Length-Aware Constrained Reinforcement Learning for LLM"): GRPO on the Lagrangian reward r - lambda * c(L) with an
+    adaptive dual lambda, read once per step from the controller before any advantage."""
+
+    def shape(
+        self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
+    ) -> tuple[TrainBatch, dict[str, Any]]:
+        lc, lam = self.cfg.algorithm.laconic, plan["laconic_lambda"]
+        lengths = np.asarray(rollouts.lengths)
+        shaped = laconic.lagrangian_rewards(rollouts.rewards, lengths, lc.budget, lam, lc.cost)
+        batch, stats = shape_grpo(
+            rollouts, self.cfg, pad_id=run.tokenizer.pad_token_id, rewards=shaped
+        )
+        # the dual sees every response of the step, before any filtering
+        lam_next = run.update_length_dual(step, float(lengths.mean()))
+        truncated = [f == "length" for f in rollouts.finish_reasons]
+        stats.update(
+            laconic.step_metrics(
+                rollouts.rewards, lengths, truncated, lc.budget, lam, lam_next, lc.cost
+            )
+        )
+        return batch, stats
