@@ -29,13 +29,48 @@ from workflows.workers import Worker
 PLACEMENT_TIMEOUT_S = 60.0
 
 
+class ControllerClient:
+    """Typed calls on the ControllerActor (`rlvr.run.controller.TrainingController`); every
+    update carries its step and is applied at most once."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def plan_step(self, step: int, prompt_ids: list[str]) -> dict[str, Any]:
+        return self.worker.run("plan_step", step, prompt_ids, step=step)
+
+    def update_length_dual(self, step: int, mean_length: float) -> float:
+        return self.worker.run("update_length_dual", step, mean_length, step=step)
+
+    def update_duet_state(self, step: int, *args: Any) -> dict[str, Any]:
+        """DUET's state update (`TrainingController.update_duet_state`'s arguments after step)."""
+        return self.worker.run("update_duet_state", step, *args, step=step)
+
+    def observe_step(
+        self,
+        step: int,
+        rewards_by_prompt: dict[str, list[float]],
+        metrics: dict[str, Any],
+        rollouts: list[dict[str, Any]],
+    ) -> bool:
+        return self.worker.run(
+            "observe_step", step, rewards_by_prompt, metrics, rollouts, step=step
+        )
+
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        return self.worker.run("state_dict", step=step)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.worker.run("load_state_dict", state)
+
+
 @dataclass
 class Components:
     policy: PolicyGroup
     generator: GeneratorPool
     verifier: Any
     """VerifierPool (actors) or VerifierActor (in-process); both expose `score`."""
-    controller: Worker
+    controller: ControllerClient
     sync: WeightSync
     layout: dict[str, dict[str, str]] = field(default_factory=dict)
     """Per model actor ("PolicyActor 0", "GeneratorActor 1"), the node it runs on."""
@@ -127,11 +162,13 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
             policy=policy,
             generator=generator,
             verifier=VerifierActor(cfg.verifier.timeout_s, num_workers=cfg.verifier.num_workers),
-            controller=Worker(
-                ControllerActor(
-                    cfg.generation.group_size, cfg.laconic_dual(), cfg.duet_controller()
-                ),
-                "ControllerActor",
+            controller=ControllerClient(
+                Worker(
+                    ControllerActor(
+                        cfg.generation.group_size, cfg.laconic_dual(), cfg.duet_controller()
+                    ),
+                    "ControllerActor",
+                )
             ),
             sync=make_weight_sync(cfg, policy, generator),
         )
@@ -225,8 +262,8 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
     try:
         # Wait for the model actors to finish loading so a bad model fails here, named, not
         # mid-step.
-        policy.run("ready")
-        generator.run("ready")
+        policy.ready()
+        generator.ready()
         sync = make_weight_sync(cfg, policy, generator)
     except BaseException:
         cleanup()
@@ -235,7 +272,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         policy=policy,
         generator=generator,
         verifier=verifier,
-        controller=Worker(controller, "ControllerActor"),
+        controller=ControllerClient(Worker(controller, "ControllerActor")),
         sync=sync,
         layout=placement_layout(pg, ranks, engines),
     )

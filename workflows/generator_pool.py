@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from rlvr.generation.base import GenerationRequest, SamplingParams
-from workflows.workers import Worker
-
-
-@dataclass
-class PoolFuture:
-    """The engines' futures of one pool call, as (engine index, future), and how to merge them."""
-
-    parts: list[tuple[int, Any]]
-    merge: Callable[[list[Any]], Any]
+from rlvr.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from workflows.workers import FanOut, Worker
 
 
 def contiguous_shards(costs: Sequence[float], parts: int) -> list[slice]:
@@ -49,7 +40,7 @@ def _concat(shards: list[list[Any]]) -> list[Any]:
 class GeneratorPool:
     """Drives `workers` (one GeneratorActor each, engine 0 first) as the step code drives one.
 
-    `call(method, ...)` returns a `PoolFuture`, `get` resolves it, `run` does both; a crashed
+    `call(method, ...)` returns a `FanOut`, `get` resolves it, `run` does both; a crashed
     engine raises `ActorFailure` under its Worker's name, so the names must differ
     ("GeneratorActor 0", "GeneratorActor 1", ...). The pool's `weight_version` starts at 0, as
     a fresh GeneratorActor's does, and follows each resolved `update_weights`; `generate` sends
@@ -64,7 +55,7 @@ class GeneratorPool:
             raise ValueError(f"a GeneratorPool needs engines with distinct names, got {names}")
         self.workers = list(workers)
         self.weight_version = 0
-        self._methods: dict[str, Callable[..., PoolFuture]] = {
+        self._methods: dict[str, Callable[..., FanOut]] = {
             "generate": self._generate,
             "score_logprobs": self._score_logprobs,
             "update_weights": self._update_weights,
@@ -72,18 +63,44 @@ class GeneratorPool:
             "ready": self._ready,
         }
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> PoolFuture:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> FanOut:
         """Start `method` on the engines that take part; resolve the result with `get`."""
         if method not in self._methods:
             raise AttributeError(f"GeneratorPool has no method {method!r}")
         return self._methods[method](*args, **kwargs)
 
-    def get(self, future: PoolFuture, step: int | None = None) -> Any:
+    def get(self, future: FanOut, step: int | None = None) -> Any:
         """Resolve every engine's part and merge; a crash names the engine and the step."""
-        return future.merge([self.workers[i].get(part, step=step) for i, part in future.parts])
+        return future.result(step)
 
     def run(self, method: str, *args: Any, step: int | None = None, **kwargs: Any) -> Any:
         return self.get(self.call(method, *args, **kwargs), step=step)
+
+    # --- typed calls ----------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Wait until every engine has loaded the model (a bad model fails here, named)."""
+        return self.run("ready")
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        duet_stop: dict[str, Any] | None = None,
+        tandem: bool = False,
+        step: int | None = None,
+    ) -> list[GenerationResult]:
+        """Results in request order, the requests split over the engines."""
+        return self.run("generate", requests, params, duet_stop=duet_stop, tandem=tandem, step=step)
+
+    def score_logprobs(
+        self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
+    ) -> FanOut:
+        """Teacher-forced log-probs at `positions` under the engines' weights (in flight)."""
+        return self.call("score_logprobs", sequences, positions)
+
+    def stats(self) -> dict[str, Any]:
+        """The engines' token and time counters, summed, with each engine's beside them."""
+        return self.run("stats")
 
     def _generate(
         self,
@@ -91,7 +108,7 @@ class GeneratorPool:
         params: SamplingParams,
         duet_stop: dict[str, Any] | None = None,
         tandem: bool = False,
-    ) -> PoolFuture:
+    ) -> FanOut:
         """Shards balanced on estimated work, n x (prompt length + max_tokens) per request."""
         costs = [r.n * (len(r.prompt_ids) + params.max_tokens) for r in requests]
         row = 0 if duet_stop is None else duet_stop.get("first_row", 0)
@@ -108,33 +125,36 @@ class GeneratorPool:
                     tandem=tandem,
                     weight_version=self.weight_version,
                 )
-                parts.append((i, future))
+                parts.append((self.workers[i], future))
             row += sum(r.n for r in chunk)
-        return PoolFuture(parts, _concat)
+        return FanOut(parts, _concat)
 
     def _score_logprobs(
         self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
-    ) -> PoolFuture:
+    ) -> FanOut:
         """Shards balanced on sequence length (one prefill each)."""
         shards = contiguous_shards([len(q) for q in sequences], len(self.workers))
         parts = [
-            (i, self.workers[i].call("score_logprobs", sequences[shard], positions[shard]))
+            (
+                self.workers[i],
+                self.workers[i].call("score_logprobs", sequences[shard], positions[shard]),
+            )
             for i, shard in enumerate(shards)
             if shard.stop > shard.start
         ]
-        return PoolFuture(parts, _concat)
+        return FanOut(parts, _concat)
 
-    def _update_weights(self, named_tensors: Any) -> PoolFuture:
+    def _update_weights(self, named_tensors: Any) -> FanOut:
         """Every engine loads the same weights: a dict goes into the object store once, and every
         actor engine reads that one copy; an ObjectRef (the policy's export) is passed as is."""
         shared = named_tensors
         if isinstance(named_tensors, dict) and any(w.is_actor for w in self.workers):
             shared = ray.put(named_tensors)
         parts = [
-            (i, w.call("update_weights", shared if w.is_actor else named_tensors))
-            for i, w in enumerate(self.workers)
+            (w, w.call("update_weights", shared if w.is_actor else named_tensors))
+            for w in self.workers
         ]
-        return PoolFuture(parts, self._adopt_version)
+        return FanOut(parts, self._adopt_version)
 
     def _adopt_version(self, versions: list[int]) -> int:
         self.weight_version = self._common_version(versions)
@@ -147,9 +167,9 @@ class GeneratorPool:
             raise RuntimeError(f"generation engines disagree on their weight version ({held})")
         return versions[0]
 
-    def _stats(self) -> PoolFuture:
-        parts = [(i, w.call("stats")) for i, w in enumerate(self.workers)]
-        return PoolFuture(parts, self._merge_stats)
+    def _stats(self) -> FanOut:
+        parts = [(w, w.call("stats")) for w in self.workers]
+        return FanOut(parts, self._merge_stats)
 
     def _merge_stats(self, stats: list[dict[str, float]]) -> dict[str, Any]:
         """Tokens and busy seconds summed; tokens_per_s is the engines' rates summed (they run
@@ -162,5 +182,5 @@ class GeneratorPool:
             "engines": stats,
         }
 
-    def _ready(self) -> PoolFuture:
-        return PoolFuture([(i, w.call("ready")) for i, w in enumerate(self.workers)], all)
+    def _ready(self) -> FanOut:
+        return FanOut([(w, w.call("ready")) for w in self.workers], all)

@@ -10,8 +10,7 @@ starts DeepSpeed.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -20,15 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlvr.training.batch import TrainBatch
 from rlvr.training.data_parallel import shard_batch, shard_sequences
-from workflows.workers import Worker
-
-
-@dataclass
-class _Pending:
-    """Futures of one call on every rank, and how to merge the ranks' answers into one."""
-
-    futures: list[Any]
-    merge: Callable[[list[Any]], Any]
+from workflows.workers import FanOut, Worker
 
 
 class PolicyGroup:
@@ -48,27 +39,51 @@ class PolicyGroup:
     def world_size(self) -> int:
         return len(self.workers)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> _Pending:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> FanOut:
         if self.world_size > 1 and method == "train_step":
             return self._train_step(*args, **kwargs)
         if self.world_size > 1 and method == "score_logprobs":
             return self._score_logprobs(*args, **kwargs)
-        futures = [w.call(method, *args, **kwargs) for w in self.workers]
-        return _Pending(futures, lambda answers: answers[0])
+        return FanOut([(w, w.call(method, *args, **kwargs)) for w in self.workers])
 
-    def get(self, pending: _Pending, step: int | None = None) -> Any:
+    def get(self, pending: FanOut, step: int | None = None) -> Any:
         """Every rank's answer merged; a crashed rank raises under its Worker's name, so the
         names must differ ("PolicyActor 0", "PolicyActor 1", ...)."""
-        answers = [
-            worker.get(future, step=step)
-            for worker, future in zip(self.workers, pending.futures, strict=True)
-        ]
-        return pending.merge(answers)
+        return pending.result(step)
 
     def run(self, method: str, *args: Any, step: int | None = None, **kwargs: Any) -> Any:
         return self.get(self.call(method, *args, **kwargs), step=step)
 
-    def _train_step(self, batch: TrainBatch, logprob_sums: bool = False) -> _Pending:
+    # --- typed calls ----------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Wait until every rank has loaded the model (a bad model fails here, named)."""
+        return self.run("ready")
+
+    def train_step(
+        self, batch: TrainBatch, logprob_sums: bool = False, step: int | None = None
+    ) -> dict[str, Any]:
+        """One rollout batch's update (`training.mini_batches` optimizer steps) on every rank."""
+        return self.run("train_step", batch, logprob_sums=logprob_sums, step=step)
+
+    def score_logprobs(
+        self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
+    ) -> FanOut:
+        """Teacher-forced log-probs at `positions` under the current policy (in flight)."""
+        return self.call("score_logprobs", sequences, positions)
+
+    def save_state(self, path: str, step: int | None = None) -> None:
+        """Weights, optimizer and scheduler, every rank's ZeRO shard."""
+        self.run("save_state", path, step=step)
+
+    def load_state(self, path: str) -> None:
+        """Load a `save_state` checkpoint (written by any number of ranks)."""
+        self.run("load_state", path)
+
+    def save_model(self, path: str) -> None:
+        """The trained policy as a Hugging Face model directory (LoRA merged)."""
+        self.run("save_model", path)
+
+    def _train_step(self, batch: TrainBatch, logprob_sums: bool = False) -> FanOut:
         """Each rank trains on its share; metrics are global (all-reduced in the trainer), and
         DUET's per-row sums come back in the batch's row order."""
         shards, rows = shard_batch(batch, self.world_size, self.mini_batches)
@@ -88,11 +103,11 @@ class PolicyGroup:
                 out["logprob_sums"] = sums
             return out
 
-        return _Pending(futures, merge)
+        return FanOut(list(zip(self.workers, futures, strict=True)), merge)
 
     def _score_logprobs(
         self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
-    ) -> _Pending:
+    ) -> FanOut:
         """Equal shares of the sequences (fillers: the shortest, scoring nothing), merged back."""
         shortest = min(range(len(sequences)), key=lambda i: len(sequences[i]), default=0)
         shares = shard_sequences(len(sequences), self.world_size)
@@ -110,7 +125,7 @@ class PolicyGroup:
                         out[i] = values
             return out
 
-        return _Pending(futures, merge)
+        return FanOut(list(zip(self.workers, futures, strict=True)), merge)
 
 
 @ray.remote(num_cpus=0)

@@ -24,7 +24,7 @@ from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.training.rollouts import Rollouts
 from workflows.components import Components, generator_kwargs, torch_threads
-from workflows.workers import Pending, Worker
+from workflows.workers import FanOut, Worker
 
 REQUEST_SEED_STRIDE = 10_007
 
@@ -57,11 +57,11 @@ class ReferenceClient:
     def build_rubrics(self, queries: list[Any]) -> list[Any]:
         return self.worker.run("build_rubrics", queries)
 
-    def judge_answers(self, requests: list[Any]) -> Pending:
-        return Pending(self.worker, self.worker.call("judge_answers", requests))
+    def judge_answers(self, requests: list[Any]) -> FanOut:
+        return self.worker.submit("judge_answers", requests)
 
-    def score_logprobs(self, sequences: list[list[int]], positions: list[list[int]]) -> Pending:
-        return Pending(self.worker, self.worker.call("score_logprobs", sequences, positions))
+    def score_logprobs(self, sequences: list[list[int]], positions: list[list[int]]) -> FanOut:
+        return self.worker.submit("score_logprobs", sequences, positions)
 
 
 def start_reference(
@@ -142,7 +142,7 @@ class RunServices:
         extra: dict[str, Any] = {"duet_stop": duet_stop} if duet_stop is not None else {}
         if tandem:
             extra["tandem"] = True
-        results = self.comps.generator.run("generate", requests, params, step=step, **extra)
+        results = self.comps.generator.generate(requests, params, step=step, **extra)
         return Rollouts.from_results(results, {p.id: p.answer for p in problems})
 
     def verify(self, rollouts: Rollouts) -> None:
@@ -155,11 +155,11 @@ class RunServices:
 
     def score_logprobs(
         self, scorer: str, sequences: list[list[int]], positions: list[list[int]]
-    ) -> Pending:
+    ) -> FanOut:
         if scorer == "reference":
             return self.reference().score_logprobs(sequences, positions)
         group = {"generator": self.comps.generator, "trainer": self.comps.policy}[scorer]
-        return Pending(group, group.call("score_logprobs", sequences, positions))
+        return group.score_logprobs(sequences, positions)
 
     def reference(self) -> ReferenceModel:
         if self._reference is None:
@@ -167,7 +167,7 @@ class RunServices:
         return self._reference
 
     def update_length_dual(self, step: int, mean_length: float) -> float:
-        return self.comps.controller.run("update_length_dual", step, mean_length, step=step)
+        return self.comps.controller.update_length_dual(step, mean_length)
 
     def update_duet_state(
         self,
@@ -179,16 +179,8 @@ class RunServices:
         kept: list[bool],
         epoch_end: bool,
     ) -> dict[str, Any]:
-        return self.comps.controller.run(
-            "update_duet_state",
-            step,
-            prompt_ids,
-            advantages,
-            logprob_sums,
-            lengths,
-            kept,
-            epoch_end,
-            step=step,
+        return self.comps.controller.update_duet_state(
+            step, prompt_ids, advantages, logprob_sums, lengths, kept, epoch_end
         )
 
     def epoch_ends_after(self, step: int) -> bool:

@@ -130,7 +130,7 @@ class Trainer:
         problems = self.sampler.batch(step)
 
         with timed(times, "time_plan"):
-            plan = comps.controller.run("plan_step", step, [p.id for p in problems], step=step)
+            plan = comps.controller.plan_step(step, [p.id for p in problems])
         got = method.collect(self.services, problems, plan, self.sampling_params(step), step, times)
         batch, shape_stats = (
             method.shape(self.services, got.trained, plan, step) if len(got.trained) else (None, {})
@@ -155,13 +155,11 @@ class Trainer:
         metrics["time_overhead"] = total - sum(times.values())
         metrics["tokens_per_s"] = metrics["tokens_generated"] / max(times["time_generate"], 1e-9)
 
-        comps.controller.run(
-            "observe_step",
+        comps.controller.observe_step(
             step,
             rollouts.rewards_by_group(),
             _json_safe(metrics),
             rollouts.records(step, limit=cfg.generation.prompts_per_step * 2),
-            step=step,
         )
         self._last_rollouts = rollouts
         return metrics
@@ -175,8 +173,7 @@ class Trainer:
             log.warning("step %d: no rollout carries a loss token; the update is skipped", step)
             return {"skipped": 1, "logprob_sums": [0.0] * rows}
         kept = rows_that_train(batch, self.cfg.training.loss_agg, method.trains_every_row)
-        stats = self.comps.policy.run(
-            "train_step",
+        stats = self.comps.policy.train_step(
             batch if len(kept) == len(batch) else batch.select(kept),
             logprob_sums=method.needs_logprob_sums,
             step=step,
@@ -202,8 +199,8 @@ class Trainer:
         self.run.append_metrics(_json_safe(metrics))
         self.run.append_rollouts(self._last_rollouts.records(step))
         with self.run.writing_checkpoint(step) as d:
-            self.comps.policy.run("save_state", str(d / "policy"), step=step)
-            state = self.comps.controller.run("state_dict", step=step)
+            self.comps.policy.save_state(str(d / "policy"), step=step)
+            state = self.comps.controller.state_dict(step=step)
             atomic_write_text(d / "controller.json", json.dumps(state))
             progress = {
                 "step": step,
@@ -226,10 +223,8 @@ class Trainer:
                 f"{self.run.path} picked its best checkpoint by {progress['best_metric']}, "
                 f"this configuration by {key}"
             )
-        self.comps.policy.run("load_state", str(d / "policy"))
-        self.comps.controller.run(
-            "load_state_dict", json.loads((d / "controller.json").read_text())
-        )
+        self.comps.policy.load_state(str(d / "policy"))
+        self.comps.controller.load_state_dict(json.loads((d / "controller.json").read_text()))
         return progress["best_step"]
 
 
@@ -366,7 +361,7 @@ def train(
                 acc=f"{metrics['accuracy']:.3f}",
                 tok_s=f"{metrics['tokens_per_s']:.0f}",
             )
-        comps.policy.run("save_model", str(run.final_model))
+        comps.policy.save_model(str(run.final_model))
         tokenizer.save_pretrained(run.final_model)
         evals = run.read_eval()
         summary = {

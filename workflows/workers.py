@@ -6,6 +6,8 @@ difference is the actor layer's overhead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -37,6 +39,10 @@ class Worker:
     def run(self, method: str, *args: Any, step: int | None = None, **kwargs: Any) -> Any:
         return self.get(self.call(method, *args, **kwargs), step=step)
 
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> FanOut:
+        """`call` as a `FanOut` of one, for typed clients that hand out calls in flight."""
+        return FanOut([(self, self.call(method, *args, **kwargs))])
+
 
 class ActorFailure(RuntimeError):
     """A crash inside an actor, reported with the actor's name and the step."""
@@ -50,12 +56,13 @@ def _root_cause(err: BaseException) -> str:
     return text[-1] if text else type(err).__name__
 
 
-class Pending:
-    """A call in flight on a worker, pool or group (anything with `get(future, step)`);
-    `result` waits for it, errors naming the worker and the step."""
+@dataclass
+class FanOut:
+    """One call in flight on one or more workers: each worker's future, and how to merge their
+    answers into the caller's result. `result` waits; a crash names the worker and the step."""
 
-    def __init__(self, owner: Any, future: Any) -> None:
-        self.owner, self.future = owner, future
+    parts: list[tuple[Worker, Any]]
+    merge: Callable[[list[Any]], Any] = field(default=lambda answers: answers[0])
 
     def result(self, step: int | None = None) -> Any:
-        return self.owner.get(self.future, step=step)
+        return self.merge([worker.get(future, step=step) for worker, future in self.parts])
