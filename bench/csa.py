@@ -1,8 +1,9 @@
 """CSA bench: every comparison method on the same synthetic streams, the controller's per-round
-overhead, and the served tiny model's HTTP latency with and without the CSA gate (csa.md 6, 10).
+overhead, and the served tiny model's HTTP latency with and without the CSA gate (CSA,
+arXiv:2605.20270: Sec. 6, App. B.3).
 
-Part 1 replays the digest's protocol: G0 cells (i.i.d., improving drift, and the four C11 cells
-that break the nondecreasing-frontier assumption on purpose) and the paper's shift cells, replayed
+Part 1 runs our synthetic G0 cells (i.i.d., improving drift, and four cells that break the
+nondecreasing-frontier assumption on purpose) and the paper's shift cells (Sec. 6.3), replayed
 orderings of one fixed calibrated item set. Part 2 times decide + observe per round, bare and
 durable (snapshot + fsync). Part 3 serves the SFT-warmed tiny model twice side by side, gated and
 ungated, same K, and alternates requests between them.
@@ -43,7 +44,7 @@ ray_env()
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "csa"
 DELTA = 0.1
-G0_ALPHA = 0.3  # digest section 10's G0 setting, with its grid
+G0_ALPHA = 0.3  # alpha of the paper's App. G setting; the 50-point linear grid is our choice
 G0_GRID = np.linspace(0.02, 0.98, 50)
 REPLAY_ALPHAS = (0.1, 0.2)  # the paper's shift cells ran alpha in {.05, .1, .2}
 # Cells whose frontier drops within a stream (outside Theorem C.1): every ordering of the item set
@@ -77,7 +78,7 @@ def item_set(n_items: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def cells(n_streams: int, horizon: int, seed: int) -> dict[str, tuple]:
     """name -> (streams, alpha, CSA grid).
 
-    G0 cells use the digest's linear grid. The replay cells follow the paper's shift protocol: an
+    G0 cells use the fixed linear grid. The replay cells follow the paper's shift protocol: an
     isotonic calibrator and the grid are fit on a 20% CAL split (seed 42) and the other 80% of the
     items, scored by the calibrator, are replayed in the cell's order.
     """
@@ -162,7 +163,7 @@ def summary_table(results: dict, n_streams: int) -> str:
         f"Entry: PathV strict (max running risk after 500 releases > alpha) / PathV with slack "
         f"(running risk ever > alpha + slack(N)), in streams of {n_streams}, then the mean release "
         "rate; 'ref' = refused on every stream. * = the cell's frontier drops within a stream, "
-        "outside the guarantee (digest C11, A12).",
+        "outside the guarantee (Theorem C.1 needs a nondecreasing frontier).",
     ]
     return "\n".join(lines)
 

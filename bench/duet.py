@@ -10,8 +10,9 @@ b * 8 * sum L_hat on per-prompt counts and stops/aborts rollouts inside the vLLM
 `duet-alloc-only` keeps the allocator but no stop rule, `duet-abort-only` the stop rule with
 round(8b) rollouts per prompt; DAPO samples 8 per prompt, drops all-equal groups and refills
 with fresh prompts (up to 3 rounds), paying for every generated token. The prompt pool is small
-so prompts recur (DUET's allocator needs revisits; digest section 10.21). Timing medians skip
-the first `--warmup` steps; held-out accuracy is greedy after the last step.
+so prompts recur (DUET's allocator needs revisits: arXiv:2605.08441, Sec. 2 assumes several
+epochs over a fixed prompt pool). Timing medians skip the first `--warmup` steps; held-out
+accuracy is greedy after the last step.
 
 The tiny preset runs all nine variants by default: a 1-step run of all nine took 3.5 min with
 startup and peaked at about 14 GiB (2 cores), so the default 12 steps x 3 seeds should take
@@ -64,9 +65,9 @@ class Preset:
 
 
 PRESETS = {
-    # configs/tiny-duet.yaml: the digest's small-scale settings (section 11 F2: G 8, poll 2,
-    # W 256, N 5 at L_max 96) scaled to 48 tokens. 32 prompts at 8 per step: a prompt recurs
-    # every 4 steps.
+    # configs/tiny-duet.yaml: the paper's stop-rule and K-window settings scaled down to 48
+    # tokens (our choice: grace 4, poll every 2, window 256, refit every 5 steps). 32 prompts at
+    # 8 per step: a prompt recurs every 4 steps.
     "tiny": Preset(
         label="Tiny model (configs/tiny-duet.yaml)",
         config=ROOT / "configs" / "tiny-duet.yaml",

@@ -31,7 +31,7 @@ def variants(budget: int, eta: float) -> dict[str, list[str]]:
     laconic = [*ON, f"algorithm.laconic.budget={budget}", f"algorithm.laconic.eta={eta}"]
     return {
         "laconic": laconic,
-        # the paper's fixed-lambda sweep tops out at 0.05 (no dual update)
+        # the paper's fixed-lambda sweep tops out at 0.05 (no dual update; App. B.3, Table 8)
         "fixed-lambda-0.05": [
             *laconic,
             "algorithm.laconic.eta=0",

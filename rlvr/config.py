@@ -671,7 +671,7 @@ class Config(Section):
         if self.algorithm.advantage_scale != "group":
             raise ValueError(
                 "algorithm.advantage_scale must be 'group' with DUET (its advantages are "
-                "group-normalised, digest Eq. 6)"
+                "group-normalised, Eq. 6 of arXiv:2605.08441)"
             )
         if not (du.allocate or du.early_stop):
             raise ValueError(

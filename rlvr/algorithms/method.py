@@ -1,15 +1,16 @@
 """A training method as the step loop sees it: one object whose hooks the loop calls in a fixed
 order, registered by name so that `algorithm.name` picks it.
 
-One step (`workflows.train.Trainer.step`) is: `plan` -> `collect` (generate and score) -> `shape`
-(rewards -> advantages -> batch) -> policy update -> weight sync -> `observe`; `evaluate` adds the
-method's validation figures to the held-out pass. A method overrides the hooks it changes and
-inherits GRPO's for the rest. Hooks reach the run's workers only through `StepServices`, which
-the workflow implements over the actors, so this module and every method stay free of Ray.
+One step (`workflows.train.Trainer.step`) is: the controller's plan (`plan_step`) -> `collect`
+(generate and score) -> `shape` (rewards -> advantages -> batch) -> policy update -> weight sync
+-> `observe`; `evaluate` adds the method's validation figures to the held-out pass. A method
+overrides the hooks it changes and inherits GRPO's for the rest. Hooks reach the run's workers
+only through `StepServices`, which the workflow implements over the actors, so this module and
+every method stay free of Ray.
 
 A new method is one package under `rlvr/algorithms/` holding its equations, its shaping and a
-`Method` subclass decorated with `@register("name")`; `tests/algorithms/test_method_registry.py`
-runs a toy one through the actors.
+`Method` subclass decorated with `@register("name")` (docs/methods.md, "Adding a method");
+`tests/integration/test_method_registry.py` runs a toy one through the actors.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class Collected:
 
 
 class Method:
-    """GRPO (arXiv:2402.03300, section 4.1.2): a fixed group per prompt, verifier rewards, group-
+    """GRPO (arXiv:2402.03300, Sec. 4.1.2): a fixed group per prompt, verifier rewards, group-
     normalised advantages on every response token. Other methods override what they change."""
 
     name: ClassVar[str] = "grpo"

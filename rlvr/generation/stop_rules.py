@@ -1,7 +1,7 @@
 """How a backend consults a per-sample `StopRule`, shared so both engines stop at the same token.
 
-DUET's marker-gated abort (digest `duet.md`) runs inside generation: after every produced token
-the rule sees the response so far and may force EOS as the next token.
+DUET's marker-gated abort (arXiv:2605.08441, Eq. 5) runs inside generation: after every produced
+token the rule sees the response so far and may force EOS as the next token.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What both generation backends need for Tandem co-generation (digest tandem.md 2.1-2.2): a
+"""What both generation backends need for Tandem co-generation (arXiv:2606.28166, Sec. 3.3): a
 per-sample author tracker, token draws by the tandem module's seeding contract, the vocabulary
 check at start, and the counters a tandem sample reports.
 """

@@ -1,4 +1,4 @@
-"""Tandem co-generation inside one vLLM engine (digest tandem.md 2.2, the reference design).
+"""Tandem co-generation inside one vLLM engine (arXiv:2606.28166, App. A.1.1: the paper's design).
 
 `TandemForCausalLM` holds the senior and the frozen junior (layer prefix `tandem_junior.`) as
 one vLLM model: every forward runs both on the same tokens, positions and block tables, each

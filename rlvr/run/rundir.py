@@ -23,7 +23,11 @@ STEP_PREFIX = "step_"
 
 
 class RunDir:
-    """Layout: config.yaml, metrics.jsonl, eval.jsonl, tb/, checkpoints/step_NNNNNN/, best.json, final/."""
+    """Layout: config.yaml, metrics.jsonl, eval.jsonl, rollouts.jsonl, tb/, final/ (model and
+    tokenizer after the last step), summary.json, and checkpoints/step_NNNNNN/ holding the step's
+    policy/, controller.json and progress.json (the step, the best step so far and the metric
+    that picked it), which the training workflow writes; the best step's checkpoint survives
+    pruning."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

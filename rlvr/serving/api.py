@@ -1,4 +1,4 @@
-"""Per-request logic of the CSA-gated OpenAI-compatible server, without Ray (csa.md 2.1, 3.2).
+"""Per-request logic of the CSA-gated OpenAI-compatible server (arXiv:2605.20270), without Ray.
 
 Request validation (every bad input becomes an `ApiError` with a 4xx status before any state
 changes), the self-consistency vote and its raw score, the response bodies, and `Calibration`: the
@@ -226,10 +226,11 @@ class Vote:
 
 
 def vote(texts: Sequence[str]) -> Vote:
-    """Extract each sample's final answer and take the majority (csa.md 2.1, resolution A14).
+    """Extract each sample's final answer and take the majority (Sec. 4.2, K self-consistency
+    samples).
 
     The released text is the first sample whose answer is the majority one (the first sample
-    when no answer could be extracted, raw = 1).
+    when no answer could be extracted, raw = 1), so the verifier labels what was released.
     """
     answers = [extract_answer(t) for t in texts]
     answer, raw = majority_answer(answers)
@@ -316,7 +317,8 @@ class Calibration:
 
     The score of a request is g(1 - agreement) for K samples drawn with (temperature, top_p,
     max_tokens); any change to these or to g is a new scorer (`version`), which starts a new
-    epoch on every stream (R4). Grids come from the calibrated CAL scores (`grid`).
+    epoch on every stream (certificates earned under the old score say nothing about the new
+    one). Grids come from the calibrated CAL scores (`grid`).
     """
 
     calibrator: Calibrator
@@ -350,7 +352,7 @@ class Calibration:
         return float(self.calibrator(float(raw)))
 
     def grid(self, alpha: float, m: int | None = None, spacing: str | None = None) -> np.ndarray:
-        """Threshold grid for budget alpha (csa.md 2.2); ValueError when none fits under the cap."""
+        """Threshold grid for budget alpha (`make_grid`); ValueError if none fits under the cap."""
         return make_grid(self.cal_scores, alpha, m or self.m, spacing or self.spacing)
 
     @property

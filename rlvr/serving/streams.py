@@ -1,4 +1,4 @@
-"""Durable named CSA streams, the state the ControllerActor hosts for Ray Serve (csa.md section 3).
+"""Durable named CSA streams (arXiv:2605.20270, Algorithms 1-2), hosted by the ControllerActor.
 
 Pure Python (no Ray), so restarts and corruption are unit-testable. Each stream NAME keeps three
 files under the root. `NAME.state.json` is the whole stream, rewritten atomically (write, fsync,
@@ -48,7 +48,8 @@ class StreamSpec:
     """What defines a stream: the CSA configuration (alpha, delta, grid, ...) and its label timeout.
 
     A change of any field but `label_timeout_s` changes the hypotheses under test, so reopening a
-    stream with it starts a new epoch (rule R4).
+    stream with it starts a new epoch (our choice: certificates earned under one configuration say
+    nothing about another; Algorithm 2's reset).
     """
 
     alpha: float
@@ -158,9 +159,9 @@ class CSAStreamHost:
     Every mutating call (`open_stream`, `decide`, `observe`, `expire_overdue`, `switch_versions`,
     `start_new_epoch`) persists the stream before it returns, so what a caller was told survives a
     crash. Rounds whose label is overdue (`label_timeout_s`) are closed as failures before every
-    call on their stream (A8: imputing a failure keeps the e-processes valid). On construction
-    every stream found under `root` is restored; `clock` gives wall-clock seconds (the timeouts
-    must survive restarts, so monotonic time will not do).
+    call on their stream (our choice: imputing a failure can only raise the increment, so the
+    e-processes stay valid). On construction every stream found under `root` is restored; `clock`
+    gives wall-clock seconds (the timeouts must survive restarts, so monotonic time will not do).
     """
 
     def __init__(
@@ -195,7 +196,7 @@ class CSAStreamHost:
         """Host stream `name` with `spec` and pin the versions serving its next rounds (idempotent).
 
         A new name starts at epoch 1. A restored stream keeps its state; if `spec` changes the CSA
-        configuration, it continues as a new epoch (R4) with its seqs running on, and a new scorer
+        configuration, it continues as a new epoch with its seqs running on, and a new scorer
         also starts one (`CSAController.switch_versions`). Returns `status(name)`.
         """
         if not isinstance(name, str) or not STREAM_NAME.fullmatch(name):
@@ -288,7 +289,8 @@ class CSAStreamHost:
         scorer: str | None = None,
         trained_through: int | None = None,
     ) -> int:
-        """Record a policy/scorer switch at the next seq of `name` (rule R2); returns that seq."""
+        """Record a policy/scorer switch at the next seq of `name`; returns that seq (see
+        `CSAController.switch_versions`)."""
         stream = self._get(name)
         self._expire(stream)
         boundary = stream.ctrl.switch_versions(

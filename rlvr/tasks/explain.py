@@ -3,7 +3,8 @@
 Each problem comes from a seeded template (compare two amounts, a total cost, an age in some years,
 ordering three numbers); its reference solution is a short explanation, the delimiter line
 `Answer:` and a one-sentence reference answer. Only a few tokens of that sentence (the numbers and
-names) depend on the reasoning, which is the setting DRO's R3 reward is built for (`dro.md` 2.2).
+names) depend on the reasoning: the few "reasoning-reflective" tokens DRO's R3 reward emphasises
+(arXiv:2506.13351, Sec. 3.1.1-3.2).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Micro-batched log-prob passes (old / reference / teacher-forced scoring) at the 
 the PPO-clip update over one or more mini-batches (`rlvr.algorithms.grpo`) with the engine importance
 correction, the learning-rate schedule, merged-weight export for generation engines, HF checkpoints
 and exact resume.
-One process per rank: on CPU a single gloo process, on GPUs one process (actor) per rank.
+One process (a PolicyActor) per data-parallel rank (`resources.policy_ranks`): gloo between them
+on CPU, NCCL on GPUs; a single rank is a one-process group.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class PolicyTrainer:
     ``lr_schedule`` (constant, linear or cosine decay to ``min_lr_ratio`` * lr over
     ``total_steps`` optimizer steps) after a linear warm-up of ``warmup_steps``; its state is in
     the checkpoint. bf16 with ZeRO 1-3 keeps fp32 master weights and fp32 gradient accumulation;
-    with stage 0 DeepSpeed accumulates gradients in bf16. On CPU every ZeRO stage runs in one gloo
-    process and a fixed seed reproduces a run bit for bit.
+    with stage 0 DeepSpeed accumulates gradients in bf16. On CPU every ZeRO stage runs under gloo,
+    and in one process a fixed seed reproduces a run bit for bit.
 
     On several ranks (data parallel, one process each) every rank calls the same methods in the
     same order with its own share of the batch, and the shares must split into the same number of

@@ -1,10 +1,11 @@
 """DRO's rubric judge: query-specific binary rubrics written and judged by the frozen reference model.
 
-`build_rubrics` writes at most 10 items per query from (query, reference answer), keeps only the
-items the reference itself satisfies, regenerates up to twice and marks a query ungated when none
-survive (`dro.md` 2.4). `judge_answers` rules on each rollout's final answer item by item, with one
-retry of an unparseable reply (2.5). Both run over a `RubricModel`: `ReferenceRubricModel` (a
-language model on a generation backend, prompts after the paper's App. E) or `KeywordRubricModel`
+`build_rubrics` writes at most 10 items per query from (query, reference answer) and keeps only the
+items the reference itself satisfies (DRO, arXiv:2506.13351, Sec. 4.1 and App. E); our choice where
+the paper is silent: regenerate up to twice and mark a query ungated when no item survives.
+`judge_answers` rules on each rollout's final answer item by item (Sec. 4.1), with one retry of an
+unparseable reply (our choice). Both run over a `RubricModel`: `ReferenceRubricModel` (a language
+model on a generation backend, prompts after the paper's App. E) or `KeywordRubricModel`
 (deterministic rules, for tests and for references whose essentials are literal values).
 """
 
@@ -24,7 +25,8 @@ from rlvr.generation.base import GenerationBackend, GenerationRequest, SamplingP
 from rlvr.run.files import atomic_write_text
 
 MAX_ATTEMPTS = 3
-"""Rubric generations per query: the first and up to two regenerations (`dro.md` A14)."""
+"""Rubric generations per query: the first and up to two regenerations (our choice: the paper
+does not say what happens when no item survives validation)."""
 
 WRITER_PROMPT = """You write the essential guardrail rubrics for judging responses to a query.
 You are given the query with its task description and a ground-truth response (a high-quality
@@ -99,7 +101,8 @@ def judge_answers(
     """S_i `[K_i]` bool per request, and how many replies stayed unparseable after one retry.
 
     A request with no rubric items needs no judge (an empty row). Unparseable replies are retried
-    once together; what still fails counts as all "No" (`dro.md` 2.5 [R]).
+    once together; what still fails counts as all "No" (our choice: the paper does not cover
+    unparseable replies, and its judge prompt says "No" when in doubt).
     """
     rows: list[np.ndarray | None] = [
         np.zeros(0, dtype=bool) if not r.rubrics else None for r in requests
@@ -121,7 +124,8 @@ def judge_answers(
 def build_rubrics(
     model: RubricModel, queries: Sequence[RubricQuery], max_attempts: int = MAX_ATTEMPTS
 ) -> list[RubricSet]:
-    """Validated rubric sets, one per query (`dro.md` 2.4 with resolution A14).
+    """Validated rubric sets, one per query (arXiv:2506.13351, Sec. 4.1: items the reference
+    answer fails are dropped).
 
     Each round writes items for the queries still without any, judges the reference answer
     against them and keeps the satisfied ones; after `max_attempts` rounds a query with none left

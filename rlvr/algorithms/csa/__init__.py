@@ -1,8 +1,8 @@
-"""CSA (Conformal Selective Acting): an anytime-valid selective-risk release gate (digest csa.md).
+"""CSA (Conformal Selective Acting, arXiv:2605.20270): an anytime-valid selective-risk release gate.
 
-One betting e-process per candidate threshold q tests "q is unsafe" (failure rate among rounds with
-score <= q at least alpha); a threshold is certified for good once its wealth crosses 1/delta_q, and the
-largest certified threshold gates release (digest sections 2.2-2.11, Algorithms 1 and 2).
+One betting e-process per candidate threshold q (Eq. 1) tests "q is unsafe" (failure rate among
+rounds with score <= q at least alpha); a threshold is certified for good once its wealth crosses
+1/delta_q, and the largest certified threshold gates release (Sec. 4.2-4.3, Algorithms 1 and 2).
 `CSAController` is one served stream (reorder buffer, epochs, sparse verification, JSON snapshots);
 `CSABatch` runs the same kernel on many synchronous streams at once for tests and the bench.
 """
@@ -29,7 +29,7 @@ _STATE_FORMAT = 1
 
 
 def majority_answer(answers: Sequence[str | None]) -> tuple[str | None, float]:
-    """Majority answer of K self-consistency samples and its raw score 1 - agreement (section 2.1).
+    """Majority answer of K self-consistency samples and its raw score 1 - agreement (Sec. 4.2).
 
     `None` marks a sample with no extractable answer: it counts in K but never wins. With no answer
     at all the raw score is 1 (the verifier then labels the round a failure). Ties go to the answer
@@ -45,11 +45,12 @@ def majority_answer(answers: Sequence[str | None]) -> tuple[str | None, float]:
 
 
 class Calibrator:
-    """Frozen isotonic map g: raw score -> estimated P(fail), fit once on a CAL split (section 2.1).
+    """Frozen isotonic map g: raw score -> estimated P(fail), fit once on a CAL split (Sec. 4.2,
+    App. H).
 
     Nondecreasing g makes the selective risk E[P(fail|s) | s <= q] nondecreasing in q, the
-    monotone-risk half of assumption (M). Applying g is `np.interp` over the fitted knots (inputs
-    outside the CAL range are clipped), so a deserialised calibrator scores bit-identically.
+    monotone-risk half of Assumption 4.2 (M). Applying g is `np.interp` over the fitted knots
+    (inputs outside the CAL range are clipped), so a deserialised calibrator scores bit-identically.
     """
 
     def __init__(self, knots_raw: Sequence[float], knots_fail: Sequence[float]):
@@ -93,12 +94,14 @@ class Calibrator:
 def make_grid(
     cal_scores: Sequence[float] | np.ndarray, alpha: float, m: int = 15, spacing: str = "geometric"
 ) -> np.ndarray:
-    """Threshold grid Q `[m]` from calibrated CAL scores (section 2.2, resolution A4).
+    """Threshold grid Q `[m]` from calibrated CAL scores (App. B.5: m = 15, geometric between the
+    2% and 98% quantiles).
 
-    Ends: lo = max(P2, 0.001), hi = min(P98, 0.8, max(3 alpha, alpha + 0.05)) (but >= lo); geometric by
-    default, linear as in the authors' code. Thresholds above the per-alpha cap are never safe in
-    practice and would only dilute the Bonferroni budget. Raises if the cap falls below P2: then
-    fewer than 2% of CAL items could ever be released and the grid cannot be placed.
+    Ends: lo = max(P2, 0.001), hi = min(P98, 0.8, max(3 alpha, alpha + 0.05)) (but >= lo), the
+    clamps and per-alpha cap as in the authors' code; geometric by default, linear as in that
+    code. Thresholds above the per-alpha cap are never safe in practice and would only dilute the
+    Bonferroni budget. Raises if the cap falls below P2: then fewer than 2% of CAL items could
+    ever be released and the grid cannot be placed.
     """
     scores = np.asarray(cal_scores, dtype=np.float64)
     if scores.size == 0 or not np.all(np.isfinite(scores)):
@@ -127,10 +130,12 @@ def make_grid(
 
 
 def plugin_bet(n: np.ndarray, fails: np.ndarray, alpha: float) -> np.ndarray:
-    """Algorithm-1 bet per threshold from the epoch's earlier gated rounds (section 2.4).
+    """Algorithm 1's bet (line 17) per threshold from the epoch's earlier gated rounds.
 
     lam = clip((alpha - r_hat) / (1 - alpha)^2, 0, 1/(2(1 - alpha))) with r_hat = fails / n, and 0
     when n = 0. The cap keeps every wealth factor 1 - lam * x inside [1/2, 1 + alpha/(2(1-alpha))].
+    Eq. 2 averages over all rounds of the epoch instead; Algorithm 1's mean over gated rounds is
+    the conditional excess risk the bet actually faces.
     """
     # (fails - alpha n) / n is r_hat - alpha, and exactly 0 when n = 0 (so is fails).
     mean_excess = (fails - alpha * n) / np.maximum(n, 1)
@@ -138,7 +143,7 @@ def plugin_bet(n: np.ndarray, fails: np.ndarray, alpha: float) -> np.ndarray:
 
 
 def log_certification_threshold(m: int, delta: float, epoch: int, scheduled: bool) -> float:
-    """log(1/delta_q): Bonferroni level of each of the m thresholds in `epoch` (section 2.5).
+    """log(1/delta_q): Bonferroni level of each of the m thresholds in `epoch` (App. B.1-B.2).
 
     Single-epoch (Algorithm 1): delta_q = delta/(2m). Epochs (Algorithm 2): 6 delta/(pi^2 m j^2),
     which sums to delta over all epochs and thresholds. An unscheduled stream that is restarted as a
@@ -151,7 +156,8 @@ def log_certification_threshold(m: int, delta: float, epoch: int, scheduled: boo
 
 
 def selective_risk_slack(n_released: int | np.ndarray, delta: float) -> float | np.ndarray:
-    """Monitoring slack of section 2.11: w.p. >= 1 - 2 delta, R^act_T <= alpha + slack(N_T) for all T.
+    """Explicit slack of Theorem 5.1 (Eq. 3) with nu = 0, from the proof in App. C.4 (Lemma C.2):
+    w.p. >= 1 - 2 delta, R^act_T <= alpha + slack(N_T) for all T; used for monitoring.
 
     slack(N) = sqrt(log((k+1)(k+2)/delta) / N) with k = max(0, ceil(log2 N) - 1); infinite at N = 0.
     """
@@ -204,15 +210,19 @@ def _uniform(seed: int, seq: int) -> float:
 
 
 class CSAController:
-    """One CSA stream as served: decide before release, apply labels in seq order (section 3.1).
+    """One CSA stream as served: decide before release, apply labels in seq order (Algorithm 1
+    with the delayed evaluation of App. B.4).
 
     `decide(score)` issues the next sequence number and gates on the threshold deployed from labels
-    already applied (rule R3). `observe(seq, passed)` buffers a label and applies every consecutive
-    labelled round from the head of the queue, so late labels never reorder the filtration (A7).
-    Missing labels are imputed as failures through `expire` (A8). With `epoch_length` the state
-    resets every that many rounds (CSA-Epoch); with `sparse_pi_min` each round is selected for
-    verification with that probability, independently of its outcome, and selected labels are
-    importance-weighted (section 2.10). The single writer (the ControllerActor) owns one instance.
+    already applied, so the gate stays predictable (Assumption 4.2 (P)). `observe(seq, passed)`
+    buffers a label and applies every consecutive labelled round from the head of the queue, so
+    late labels never reorder the filtration (our choice: arrival order may depend on the outcome).
+    Missing labels are imputed as failures through `expire` (our choice: it can only raise the
+    increment, so the e-processes stay valid). With `epoch_length` the state resets every that many
+    rounds (CSA-Epoch, Algorithm 2); with `sparse_pi_min` each round is selected for verification
+    with that probability, independently of its outcome, and selected labels are
+    importance-weighted (App. E, Theorem E.1). The single writer (the ControllerActor) owns one
+    instance.
     """
 
     def __init__(
@@ -306,7 +316,7 @@ class CSAController:
         Rounds decided before the boundary still count in the realised-risk metrics when labelled,
         but never in the new epoch's e-processes. After a lost snapshot, call it on a fresh
         controller with the lost state's `epoch + 1` and `next_seq`, never resume as epoch 1 with
-        the full budget: that would be repeated testing (section 3.1, Persistence).
+        the full budget: that would be repeated testing.
         """
         epoch = self._epoch + 1 if epoch is None else int(epoch)
         if epoch <= self._epoch:
@@ -326,10 +336,11 @@ class CSAController:
     ) -> int:
         """Record a policy/scorer version switch taking effect at the next seq; returns that seq.
 
-        Rule R2: an update trained on labels up to `trained_through` may serve only later rounds,
-        so those labels must already be applied. A new scorer changes the score map and therefore
-        starts a new epoch (R4) unless the current epoch has no rounds yet; a new policy alone does
-        not (assumption P).
+        An update trained on labels up to `trained_through` may serve only later rounds, so those
+        labels must already be applied (Assumption 4.2 (P)). A new scorer changes the score map
+        and therefore starts a new epoch unless the current epoch has no rounds yet (our choice:
+        certificates earned under the old map say nothing about the new one); a new policy alone
+        does not (Assumption 4.2 (P) allows one update between rounds).
         """
         if trained_through is not None and trained_through >= self._next_apply:
             raise ValueError(
@@ -586,9 +597,10 @@ class CSABatch:
 
     Same kernel and arithmetic as `CSAController` (bit-identical log-wealth on the same stream), with
     labels arriving right after each decision. Options used by ablations: `fixed_bet` replaces the
-    plug-in bet by a constant (Table 24), and `increment="marginal"` tests the marginal increment
-    A(q)(1 - V) - alpha on every round (an A-RCPS-style e-process, which controls AR * risk only).
-    `observe(passed, verified)` with a verification mask runs the sparse verifier of section 2.10.
+    plug-in bet by a constant (App. G.2, Table 24), and `increment="marginal"` tests the marginal
+    increment A(q)(1 - V) - alpha on every round (an A-RCPS-style e-process, which controls
+    AR * risk only; App. F.8). `observe(passed, verified)` with a verification mask runs the sparse
+    verifier of App. E.
     Read-outs: `log_wealth`, `certified`, `cert_round` `[R, m]` (current epoch), `deployed` grid
     index and `threshold` `[R]` (-1 / NaN = none), `first_cert_round` `[R]` over the whole run.
     """

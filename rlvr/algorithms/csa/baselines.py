@@ -1,4 +1,6 @@
-"""The comparison methods of the CSA paper (digest section 6), vectorised over R synchronous streams.
+"""The comparison methods of the CSA paper (arXiv:2605.20270: Sec. 3.2 and Table 1, evaluated in
+Sec. 6 and App. F.8), vectorised over R synchronous streams. Settings the paper does not give follow
+the authors' code (github.com/HamedKhosravi99/CSA-Code).
 
 Every method has one small interface: `decide(scores [R]) -> release [R]`, then `observe(passed [R])`
 with that round's verifier labels; `threshold [R]` is the gate in force (NaN = abstain on all, inf =
@@ -16,7 +18,7 @@ from scipy import stats
 
 from rlvr.algorithms.csa import CSABatch
 
-# The offline baselines and NEX-Conf search this grid in the authors' code [C], not CSA's grid.
+# The offline baselines and NEX-Conf search this grid in the authors' code, not CSA's grid.
 PAPER_GRID = np.linspace(0.01, 0.99, 15)
 
 
@@ -317,8 +319,9 @@ class LockedThreshold(_Gate):
 
 
 class CRC(LockedThreshold):
-    """Conformal risk control (Angelopoulos 2024). Main tables [C]: r_hat + sqrt(log(G/delta)/2n)
-    <= alpha ("hoeffding"); the shift cells used (n r_hat + 1)/(n + 1) <= alpha ("conformal")."""
+    """Conformal risk control (Angelopoulos 2024). Main tables (the authors' code):
+    r_hat + sqrt(log(G/delta)/2n) <= alpha ("hoeffding"); the shift cells used
+    (n r_hat + 1)/(n + 1) <= alpha ("conformal")."""
 
     name = "CRC"
 
@@ -351,7 +354,7 @@ def marginal_eprocess(
     """A-RCPS-style baseline: CSA's e-processes on the marginal increment A(q)(1 - V) - alpha.
 
     It certifies thresholds whose marginal risk AR * R^act is below alpha, which does not bound the
-    selective risk R^act among released answers (digest C9)."""
+    selective risk R^act among released answers (App. F.8)."""
     return CSABatch(n_streams, alpha, delta, grid, increment="marginal")
 
 

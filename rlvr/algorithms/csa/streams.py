@@ -1,9 +1,11 @@
-"""Synthetic CSA streams (digest section 10 and the shift protocol of section 6) and a runner that
-plays any release rule on many streams at once and scores it (risk, release rate, MaxR, PathV).
+"""Synthetic CSA streams, the shift cells of the CSA paper (arXiv:2605.20270, Sec. 6.3, App. F.5),
+and a runner that plays any release rule on many streams at once and scores it (risk, release rate,
+MaxR, PathV: Sec. 6).
 
-Generator G0 [S]: s ~ U(lo_t, hi_t), P(fail | s) = sigmoid((s - c_t)/0.1). The named cells move c_t
-(drift, abrupt shift) or the score range (covariate shift, alternating blocks); `replay_cell` orders a
-fixed item set by score as in the paper's shift cells.
+Generator G0 (ours: App. G states only s ~ U(0, 1) and tau = 0.5, not the failure curve):
+s ~ U(lo_t, hi_t), P(fail | s) = sigmoid((s - c_t)/0.1). Our named cells move c_t (drift, abrupt
+shift) or the score range (covariate shift, alternating blocks); `replay_cell` orders a fixed item
+set by score as in the paper's shift cells.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _halves(horizon: int, first: float, second: float) -> np.ndarray:
 
 
 def synthetic_cell(name: str, n_streams: int, horizon: int, seed: int) -> Streams:
-    """Named G0 cells of digest C3, C4 and C11.
+    """Named G0 cells (ours, beside the paper's App. G setting).
 
     iid: c = 0.5. improving: c rises 0.4 -> 0.6 (frontier nondecreasing, Thm C.1 applies).
     degrading: c falls 0.6 -> 0.4. abrupt: c = 0.6, then 0.35 from T/2. covariate: s ~ U(0, .5),
@@ -118,7 +120,7 @@ SYNTHETIC_CELLS = ("iid", "improving", "degrading", "abrupt", "covariate", "alte
 
 
 def flip_labels(passed: np.ndarray, p: float, seed: int) -> np.ndarray:
-    """A noisy verifier: each label flipped independently with probability p (Table 26, C7)."""
+    """A noisy verifier: each label flipped independently with probability p (App. G.4)."""
     flips = np.random.default_rng(seed).random(passed.shape) < p
     return passed ^ flips
 
@@ -248,12 +250,12 @@ def run_method(
 def summarise(
     released: np.ndarray, passed: np.ndarray, alpha: float, delta: float, burn_in: int = 500
 ) -> dict[str, np.ndarray]:
-    """Per-stream metrics `[R]` of section 6 from release flags and labels `[R, T]`.
+    """Per-stream metrics `[R]` of Sec. 6 from release flags and labels `[R, T]`.
 
     risk: final R^act; release_rate: N_T / T; max_risk: max running R^act over rounds with N_t >=
     burn_in (the final risk if N never gets there); pathv_strict: max_risk > alpha; pathv_slack:
-    some round with N_t >= 1 has R^act_t > alpha + slack(N_t) (section 2.11); refused: nothing
-    released.
+    some round with N_t >= 1 has R^act_t > alpha + slack(N_t) (`selective_risk_slack`); refused:
+    nothing released.
     """
     fails = released & ~np.asarray(passed, dtype=bool)
     n = np.cumsum(released, axis=1)

@@ -1,6 +1,7 @@
-"""DAPO's dynamic sampling (Yu et al. 2025, Sec. 3.2; the DUET digest's DAPO baseline): a group
-whose rewards are all equal has zero GRPO advantage, so it is dropped after generation and fresh
-prompts are generated until the step holds its target of informative groups or runs out of rounds.
+"""DAPO's dynamic sampling (Yu et al., arXiv:2503.14476, Sec. 3.2; a baseline of DUET,
+arXiv:2605.08441 App. A.3): a group whose rewards are all equal has zero GRPO advantage, so it is
+dropped after generation and fresh prompts are generated until the step holds its target of
+informative groups or runs out of rounds.
 
 Pure: which groups a round keeps, how many prompts the next round draws, and which prompts those
 are, as a function of (seed, step, round) so a resumed step redraws exactly the same prompts.

@@ -13,9 +13,11 @@ from rlvr.training.rollouts import Rollouts
 
 @register("dapo")
 class Dapo(Method):
-    """DAPO's dynamic sampling (arXiv:2503.14476, section 3.2) for GRPO: drop groups whose rewards are
-    all equal and refill with fresh prompts until the step holds `prompts_per_step` informative
-    groups or `max_rounds` rounds ran, paying for every generated token."""
+    """DAPO's dynamic sampling (arXiv:2503.14476, Sec. 3.2) for GRPO: drop groups whose rewards
+    are all equal and refill with fresh prompts until the step holds `prompts_per_step`
+    informative groups or `max_rounds` rounds ran, paying for every generated token. Clip-higher
+    and the token-level loss are `training` settings (`clip_high`, `loss_agg`), not part of this
+    method; overlong reward shaping is not implemented."""
 
     def collect(
         self,

@@ -1,9 +1,10 @@
 """DRO: the R3 reference-certainty reward, the variance query filter, rubric gates and the loss.
 
-Pure numpy/torch kernels of Direct Reasoning Optimization (Xu et al., arXiv:2506.13351) as fixed by
-the digest `specs/dro.md` section 2 and its [R] resolutions: scoring inputs as token ids (2.1),
-R3 and its baselines (2.2), the offline query filter (2.3), rubric parsing and the two gates (2.5),
-and the advantage plus the Dr.GRPO-style loss with the 80/20 entropy mask (2.6).
+Pure numpy/torch kernels of Direct Reasoning Optimization (Xu et al., arXiv:2506.13351): the
+self-certainty of the reference answer after each CoT, scored from token ids (Sec. 3.1.1, App. M),
+R3 (Eq. 2) and its Avg Prob / Avg Logprob baselines (Table 1), the offline variance filter
+(Sec. 4.2), rubric parsing (App. E) and the coverage / consistency gates (Sec. 4.1), and the group
+advantage (Eq. 1) with the Dr.GRPO-style loss and the 80/20 entropy mask (Eq. 3, App. F.2).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import torch
 
 from rlvr.algorithms.grpo import group_advantages, kl_k3, policy_loss
 
-# Digest section 4 defaults: omega in [1, 2] (1.5 [R]); clip bounds ~0.05 / ~0.85 taken exactly [R];
-# gates mu=1, rho_g=25%, nu=60% [P]; advantage eps 1e-4 (TRL); beta 0.001 [P]; rho_ent 0.4 [R].
+# Defaults of the paper's Table 3 and App. F.2: gates mu=1, rho_g=25%, nu=60%, filter fractions 10%,
+# beta 0.001. Our choices where it gives a range or an approximate value: omega 1.5 (the paper: 1-2
+# per dataset), the clip bounds exactly 0.05 / 0.85 (the paper: "<~0.05" / ">~0.85"), rho_ent 0.4
+# (the paper: 0.3-0.5), advantage eps 1e-4 (TRL's, the trainer the paper used).
 DEFAULT_OMEGA = 1.5
 DEFAULT_CLIP_LOW = 0.05
 DEFAULT_CLIP_HIGH = 0.85
@@ -57,7 +60,7 @@ def _float_array(x: ArrayLike) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-# --- 2.1 scoring input: [q | c_i | d | y] as token ids --------------------------------------------
+# --- scoring input (Sec. 3.1.1): [q | c_i | d | y] as token ids -----------------------------------
 
 
 def split_completion(
@@ -68,7 +71,8 @@ def split_completion(
 
     The delimiter (e.g. Qwen3's `</think>` id) is found as a token-id subsequence and belongs to
     neither part. Without it (or with an empty delimiter) the whole completion is the CoT and the
-    answer is None: such a rollout has no final answer for the rubric judge (digest 2.5).
+    answer is None: the rubric gates check final answers (Sec. 4.1), and our choice is that such a
+    rollout meets no rubric item.
     """
     completion, delimiter = _ids(completion_ids), _ids(delimiter_ids)
     m = len(delimiter)
@@ -110,8 +114,9 @@ def build_scoring_ids(
     The sampled answer after the delimiter is dropped ("slicing"); `d` is `delimiter_ids` then the
     fixed `separator_ids` (e.g. the ids of "\\n\\n"), so the reference always follows the same
     separator whatever the policy emitted after `</think>`. Without a delimiter in the completion
-    the whole completion is the prefix and nothing is appended (digest A16, Table 8). Strip EOS or
-    other stop tokens from `completion_ids` first: the reference must not follow an end of text.
+    the whole completion is the prefix and nothing is appended (App. M: Table 8 finds it about as
+    good). Strip EOS or other stop tokens from `completion_ids` first: the reference must not
+    follow an end of text.
     Nothing is re-tokenized, so token j of the reference is the same id in every rollout. Read
     `token_logprobs[pos]` (log p(ids[pos] | ids[:pos]), vLLM prompt log-prob alignment) at the
     returned positions.
@@ -164,14 +169,14 @@ def self_certainty(
     token_logprobs: Sequence[ArrayLike] | torch.Tensor | np.ndarray,
     ref_positions: Sequence[Sequence[int]],
 ) -> np.ndarray:
-    """The self-certainty matrix P `[G, L]`: p_ij = pi_s(y_j | q, c_i, d, y_<j) (digest 2.1).
+    """The self-certainty matrix P `[G, L]`: p_ij = pi_s(y_j | q, c_i, d, y_<j) (Sec. 3.1.1).
 
     Probabilities, not log-probs: exp of `reference_logprobs` at the same arguments.
     """
     return np.exp(reference_logprobs(token_logprobs, ref_positions))
 
 
-# --- 2.2 R3 and the baselines --------------------------------------------------------------------
+# --- R3 (Eq. 2) and the baselines of Table 1 -----------------------------------------------------
 
 
 def _certainty_matrix(probs: ArrayLike) -> np.ndarray:
@@ -186,7 +191,8 @@ def _certainty_matrix(probs: ArrayLike) -> np.ndarray:
 def token_std(probs: ArrayLike, ddof: int = 1) -> np.ndarray:
     """sigma_j `[L]`: the std of each reference token's certainty across the G rollouts.
 
-    Sample std (ddof=1, torch's default) [R]; a group of one rollout has none and is refused.
+    Sample std (ddof=1, torch's default; our choice, the paper does not say); a group of one
+    rollout has none and is refused.
     """
     p = _certainty_matrix(probs)
     if p.shape[0] <= ddof:
@@ -214,11 +220,12 @@ def r3_rewards(
     ddof: int = 1,
     sigma_on_clipped: bool = False,
 ) -> np.ndarray:
-    """R3 per rollout `[G]`: sum_j w_j * clip(p_ij, clip_low, clip_high) (digest 2.2).
+    """R3 per rollout `[G]`: sum_j w_j * clip(p_ij, clip_low, clip_high) (Eq. 2).
 
     `probs` is one group's P `[G, L]`; the weights come from the same group's sigma, so R3 is one
     convex combination shared by all rollouts and lies in [clip_low, clip_high]. sigma is taken
-    on the unclipped probabilities unless `sigma_on_clipped` [R, A3].
+    on the unclipped probabilities unless `sigma_on_clipped`: Sec. 3.2 defines sigma_j as the std
+    of the self-certainty itself.
     """
     if not 0 <= clip_low <= clip_high <= 1:
         raise ValueError(f"need 0 <= clip_low <= clip_high <= 1, got {clip_low}, {clip_high}")
@@ -265,14 +272,14 @@ def reference_rewards(
     return r3_rewards(np.exp(logp), omega, clip_low, clip_high, ddof)
 
 
-# --- 2.3 variance-based query filter -------------------------------------------------------------
+# --- variance-based query filter (Sec. 4.2) ------------------------------------------------------
 
 
 def filter_score(probs: ArrayLike, token_frac: float = DEFAULT_TOKEN_FRAC, ddof: int = 1) -> float:
     """sbar: the mean of the ceil(token_frac * L) largest sigma_j of a query's P `[G, L]`.
 
-    The DRO filter statistic (digest 2.3): only the top tokens count, because averaging sigma over
-    all tokens dilutes the few reasoning-reflective ones (Table 13).
+    The DRO filter statistic (Sec. 4.2): only the top tokens count, because averaging sigma over
+    all tokens dilutes the few reasoning-reflective ones (App. T, Table 13).
     """
     if not 0 < token_frac <= 1:
         raise ValueError(f"token_frac must be in (0, 1], got {token_frac}")
@@ -313,9 +320,10 @@ def select_queries(
 
     `scores[n]` is query n's `filter_score`, `mean_probs[n]` its mean unclipped certainty over all
     G x L entries. The paper keeps the top 10% plus an undefined "small additional fraction to
-    preserve hard cases"; [R] the fill takes the not-yet-kept queries of lowest mean certainty.
-    `retention` is the per-dataset total (ParaRev 0.18, RaR-Medicine 0.16, FinQA 0.125,
-    ContractNLI 200/330); None keeps only the sbar part. Ties go to the lower index.
+    preserve hard cases" (Sec. 4.2); our choice: the fill takes the not-yet-kept queries of lowest
+    mean certainty, the ones the policy finds hardest. `retention` is the per-dataset total of
+    Table 3 (ParaRev 0.18, RaR-Medicine 0.16, FinQA 0.125, ContractNLI 200/330); None keeps only
+    the sbar part. Ties go to the lower index.
     """
     s, m = _float_array(scores), _float_array(mean_probs)
     if s.ndim != 1 or s.shape != m.shape or s.size == 0:
@@ -338,7 +346,7 @@ def select_queries(
     return QuerySelection(by_score=by_score, hard=hard)
 
 
-# --- 2.4 / 2.5 rubric JSON -----------------------------------------------------------------------
+# --- rubric JSON (the App. E prompts) ------------------------------------------------------------
 
 
 def _last_json_array(text: str) -> list | None:
@@ -404,7 +412,8 @@ def parse_rubric_judgment(text: str, rubric_ids: Sequence[int]) -> np.ndarray | 
     Entries are `{"id", "satisfied", ...}`, in `rubric_ids` order. A missing id is unsatisfied, as
     is anything but an explicit true/"yes", and a duplicated id is satisfied only if every entry
     says so. None when no array with a recognisable id is found: retry once, then use all False
-    (digest 2.5 [R]).
+    (our choice: the paper does not cover unparseable judgments, and its judge prompt says "No"
+    when in doubt, App. E).
     """
     array = _last_json_array(text)
     if array is None:
@@ -421,7 +430,7 @@ def parse_rubric_judgment(text: str, rubric_ids: Sequence[int]) -> np.ndarray | 
     return np.array([verdicts.get(int(k), False) for k in rubric_ids], dtype=bool)
 
 
-# --- 2.5 gates -----------------------------------------------------------------------------------
+# --- gates (Sec. 4.1) ----------------------------------------------------------------------------
 
 
 def _judgments(satisfied: ArrayLike) -> np.ndarray:
@@ -444,8 +453,8 @@ def consistency_gate(
 ) -> bool:
     """CONS: each of the ceil(rho_g * G) best rollouts by reward meets at least a `nu` share of items.
 
-    Ties in reward go to the lower index and the share test is inclusive (3 of 5 passes nu=0.6)
-    [R, A15]. An empty rubric set passes.
+    Ties in reward go to the lower index and the share test is inclusive (3 of 5 passes nu=0.6):
+    our choices, the paper fixes neither. An empty rubric set passes.
     """
     s = _judgments(satisfied)
     r = _float_array(rewards)
@@ -525,7 +534,7 @@ def score_group(
     )
 
 
-# --- 2.6 loss ------------------------------------------------------------------------------------
+# --- loss (Eq. 3 with the settings of App. F.2) --------------------------------------------------
 
 
 def entropy_mask(
@@ -572,7 +581,7 @@ def dro_loss(
     entropy_threshold: float | None = None,
     token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DRO's Dr.GRPO-style loss: sum M * (E * pg + beta * k3) / (N_acc * max_len) (digest 2.6).
+    """DRO's Dr.GRPO-style loss: sum M * (E * pg + beta * k3) / (N_acc * max_len) (App. F.2).
 
     Shapes: `logp`, `old_logp`, `ref_logp`, `entropy`, `mask` `[B, T]` (mask = real completion
     tokens); `advantages`, `truncated`, `accepted` `[B]` (accepted = the sequence's group passed

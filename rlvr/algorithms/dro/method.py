@@ -78,7 +78,8 @@ def ensure_rubrics(
     path: Path, problems: list[Problem], cfg: Config, reference: ReferenceModel
 ) -> dict[str, RubricSet]:
     """Rubric sets of `problems`: read from the cache, the missing ones written, validated and
-    added to it by the reference model (arXiv:2506.13351, section 3.2: offline, once per query)."""
+    added to it by the reference model (arXiv:2506.13351, Sec. 4.1 and App. E: once per query,
+    before training)."""
 
     cached = load_rubrics(path)
     missing = [p for p in problems if p.id not in cached]
@@ -99,9 +100,10 @@ def ensure_rubrics(
 @register("dro")
 class Dro(Method):
     """DRO (arXiv:2506.13351): the reward of a CoT is the policy's R3 certainty of the reference
-    answer after it, read on the rollout weights before the weight sync; groups that fail the
-    rubric gates are dropped; DRO's loss with the 80/20 entropy cut and k3 KL coefficient beta;
-    best checkpoint by held-out mean R3 (App. F.2)."""
+    answer after it (Eq. 2), read by default on the rollout weights before the weight sync (our
+    choice: the paper leaves the scoring model ambiguous); groups that fail the rubric gates are
+    dropped (Sec. 4.1); DRO's loss with the 80/20 entropy cut and k3 KL coefficient beta; best
+    checkpoint by validation reward (App. F.2), here the held-out mean R3."""
 
     best_metric = "eval_r3"
     policy_loss = "dro"

@@ -1,6 +1,6 @@
 """DRO over one step's rollouts: R3 scoring inputs, group rewards and gates, the training batch.
 
-The pure steps between the actors' calls in a DRO step (`dro.md` section 3): build each rollout's
+The pure steps between the actors' calls in a DRO step (arXiv:2506.13351): build each rollout's
 teacher-forcing ids `q + c + d + y` and its final answer for the judge, turn the scorer's
 reference log-probs and the judge's verdicts into per-group rewards, gates and advantages, and
 pack the accepted groups into a `TrainBatch`; plus the step's DRO metrics.
@@ -52,7 +52,7 @@ class DroTokens:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, delimiter: str, separator: str) -> DroTokens:
-        """Tokenize the delimiter and separator without special tokens (`dro.md` 2.0).
+        """Tokenize the delimiter and separator without special tokens.
 
         The delimiter is tokenized after each of `DELIMITER_CONTEXTS`; a variant that holds
         another one is dropped (the shorter matches wherever it does).
@@ -74,7 +74,8 @@ class DroTokens:
 
 
 def reference_ids(tokenizer: Any, text: str) -> list[int]:
-    """A reference answer's ids: tokenized once, no special tokens, no EOS appended (A17)."""
+    """A reference answer's ids: tokenized once, no special tokens and no EOS appended (our choice:
+    the paper does not say; an EOS would score the end of text, not the answer)."""
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise ValueError(f"reference answer {text!r} has no tokens")
@@ -168,9 +169,10 @@ def dro_batch(
 ) -> tuple[TrainBatch, dict[str, float]]:
     """The training batch of a DRO step: the accepted groups' rows with their advantages.
 
-    Rejected groups are left out (no PG, no KL, not in the loss normaliser: `dro.md` 2.5 [R]);
-    truncated rollouts stay in with no loss tokens, so they count in the normaliser only. When no
-    group is accepted the batch holds every row with no loss token, and the step trains nothing.
+    Rejected groups are left out: no PG, no KL, no share of the loss normaliser (Sec. 4.1 rejects
+    the group; dropping its KL and normaliser share too is our choice). Truncated rollouts stay in
+    with no loss tokens, so they count in the normaliser only. When no group is accepted the batch
+    holds every row with no loss token, and the step trains nothing.
     Fills `rollouts.rewards`, `advantages`, `weights` (1 = trained) and `statuses`.
     """
     n = len(rollouts)

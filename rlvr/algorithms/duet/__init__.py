@@ -1,7 +1,9 @@
-"""DUET (Hu et al. 2026; digest `duet.md`): one token budget spent on per-prompt rollout counts
-(cost-weighted Neyman allocation, Eqs. 2-4) and marker-gated early aborts with importance weights
-(Eqs. 5-6). This module holds the allocation and the weights; the online state lives in
-`duet_state`, the in-generation stop rule in `duet_stop` (both re-exported here).
+"""DUET (Hu et al., arXiv:2605.08441): one token budget spent on per-prompt rollout counts
+(cost-weighted Neyman allocation, Theorem 1 and Eqs. 1-4) and marker-gated early aborts with
+importance weights (Eqs. 5-6). This module holds the allocation and the weights; the online state
+lives in `duet.state`, the in-generation stop rule in `duet.stop` (both re-exported here).
+"The reference code" is the authors' code, github.com/Haoyu-Hu/DUET, followed where the paper
+leaves a detail open.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ __all__ = [
 ]
 
 BISECT_ITERS = 50
-"""Default bisection steps on log(lambda) (digest [rec] 4)."""
+"""Default bisection steps on log(lambda). Our choice: the paper runs 10 steps warm-started from
+the previous dual (Alg. 1 line 6); more steps over a fixed bracket need no warm start."""
 LOG_LAMBDA_RESOLUTION = 1e-13
 """Width of the final log(lambda) bracket in `allocate` (it takes as many steps as that needs)."""
 
@@ -205,7 +208,8 @@ def fixed_count(b: float, n_ref: int, n_min: int = 1, n_max: int = 32) -> int:
 
 
 def token_budget(l_hat: Sequence[float] | np.ndarray, b: float, n_ref: int = 8) -> float:
-    """Per-step budget B = b * n_ref * sum_q L_hat_q (digest [rec] 1: the reference code's form)."""
+    """Per-step budget B = b * n_ref * sum_q L_hat_q: the paper's "fraction b of full GRPO's
+    per-step token cost" (App. A.3) in the reference code's form, with DUET's own lengths."""
     return float(b * n_ref * np.sum(np.asarray(l_hat, dtype=np.float64)))
 
 
@@ -253,8 +257,9 @@ def duet_advantages(
     """GRPO advantages over all n_q rollouts of each prompt (aborted ones included, Alg. 1 line
     38), then scaled by the DUET weights; rows grouped by prompt as in `rollout_weights`.
 
-    A group of one gets A = r by default (verl, digest [rec] 3). Returns (A, w * A), both
-    `[sum n]`: A feeds `PromptState.update`, w * A the loss (aborted rows are exactly 0).
+    A group of one gets A = r by default (verl's convention; the paper trains with verl and does
+    not discuss groups of one). Returns (A, w * A), both `[sum n]`: A feeds `PromptState.update`,
+    w * A the loss (aborted rows are exactly 0).
     """
     n = np.asarray(n, dtype=np.int64)
     groups = np.repeat(np.arange(len(n)), n)
@@ -271,8 +276,8 @@ def calibration_chi2(
 ) -> float:
     """Surrogate calibration chi^2(s_hat, sigma) = mean_q (s_hat_q / sigma_q - 1)^2 over the batch.
 
-    The paper's tracking proxy (Theorem 2, App. A.8): s_hat as used for the allocation against
-    the step's within-group sigma_obs_{q,t}, the latter clipped below at `floor`.
+    The paper's tracking proxy for Theorem 2 (Eq. 7; App. A.4): s_hat as used for the allocation
+    against the step's within-group sigma_obs_{q,t}, the latter clipped below at `floor`.
     """
     s = np.asarray(s_hat, dtype=np.float64)
     sigma = np.maximum(np.asarray(sigma_emp, dtype=np.float64), floor)

@@ -1,6 +1,7 @@
-"""DUET's per-run controller (digest `duet.md` section 4): the per-prompt state, the K1/K2 length
-window and the budget dual lambda*, planned and updated exactly once per training step, plus the
-step's metrics. The ControllerActor owns one; everything crossing the actor boundary is plain JSON.
+"""DUET's per-run controller (arXiv:2605.08441, Alg. 1 phases 1 and 4): the per-prompt state, the
+K1/K2 length window and the budget dual lambda*, planned and updated exactly once per training
+step, plus the step's metrics. The ControllerActor owns one; everything crossing the actor
+boundary is plain JSON.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def step_metrics(
     n_min: int,
     n_max: int,
 ) -> dict[str, Any]:
-    """One step's DUET metrics from its plan and rollouts (digest section 4's log line).
+    """One step's DUET metrics from its plan and rollouts (Alg. 1 line 57's log, and more).
 
     Counts: mean/std/min/max, the share of prompts at n_min and n_max, a histogram
     {n: prompts}. Budget: lambda*, B, planned sum n_q L_hat_q, realised tokens (every

@@ -14,9 +14,10 @@ from rlvr.training.rollouts import Rollouts
 
 @register("duet")
 class Duet(Method):
-    """DUET (arXiv:2605.08441): per-prompt rollout counts from the controller's allocation, the
-    marker-gated stop rule inside the engine, importance-weighted advantages (Eq. 6), and the
-    per-prompt surrogate state updated from the step's log-prob sums."""
+    """DUET (arXiv:2605.08441, Alg. 1): per-prompt rollout counts from the controller's
+    allocation (Eq. 4), the marker-gated stop rule inside the engine (Eq. 5), importance-weighted
+    advantages (Eq. 6), and the per-prompt surrogate (Eq. 3) updated from the step's log-prob
+    sums."""
 
     needs_logprob_sums = True
 

@@ -1,5 +1,5 @@
-"""DUET's online state (digest `duet.md` sections 3.4 and 3.6): the per-prompt surrogate and
-length estimates behind the allocation, and the window of kept lengths that sets K1/K2.
+"""DUET's online state (arXiv:2605.08441, Eq. 3 and Alg. 1 lines 45-55): the per-prompt surrogate
+and length estimates behind the allocation, and the window of kept lengths that sets K1/K2.
 """
 
 from __future__ import annotations
@@ -41,13 +41,15 @@ class PromptState:
     """Per-prompt surrogate s_hat and length L_hat, keyed by a stable prompt id (dataset index).
 
     After each step, `update` folds in the step's rollouts: prompts with >= 2 kept-not-aborted
-    rollouts get one more surrogate observation std_i(A_i * sum_l logp_il) (population std, plain
-    GRPO advantages, old log-probs) into a running mean; every kept rollout updates the prompt's
-    running mean length (digest [rec] 7). The allocation reads s_hat = max(s_floor, sigma_obs)
-    once a prompt has k_warmup observations, else s_floor. s_floor starts at `s_floor_init` and,
-    at the end of epoch 1, becomes max(floor_min, the `floor_percentile`-th percentile of
-    sigma_obs over observed prompts), then stays frozen. At most `capacity` prompts are kept;
-    the least recently updated one is dropped first (it becomes cold again).
+    rollouts get one more surrogate observation std_i(A_i * sum_l logp_il) (Eq. 3 with plain GRPO
+    advantages and old log-probs; population std as the reference code) into a running mean;
+    every kept rollout updates the prompt's running mean length (Alg. 1 lines 50-51; the
+    reference code updates it only for groups with >= 2 kept). The allocation reads
+    s_hat = max(s_floor, sigma_obs) once a prompt has k_warmup observations, else s_floor. s_floor
+    starts at `s_floor_init` and, at the end of epoch 1, becomes max(floor_min, the
+    `floor_percentile`-th percentile of sigma_obs over observed prompts), then stays frozen
+    (App. A.3). At most `capacity` prompts are kept (the reference code's LRU cap); the least
+    recently updated one is dropped first (it becomes cold again).
     """
 
     def __init__(
@@ -59,8 +61,9 @@ class PromptState:
         floor_min: float = 0.0,
         capacity: int = 50_000,
     ) -> None:
-        """floor_min > 0 keeps the frozen floor positive (digest [rec] 5: p5 is often 0, which
-        makes n_min absorbing); the default 0 is the paper's behaviour."""
+        """floor_min > 0 keeps the frozen floor positive (our option: p5 is often 0 when many
+        groups have equal rewards, and a prompt held at n_min = 1 then never gets a new
+        observation); the default 0 is the paper's behaviour."""
         if k_warmup < 1 or capacity < 1:
             raise ValueError("k_warmup and capacity must be >= 1")
         self.k_warmup = k_warmup
@@ -198,7 +201,9 @@ class LengthWindow:
     K1 (poll start) and K2 (abort gate) start at 0.3 and 0.7 of `max_len`. `observe` refits them
     to K1 = max(k1_min, p30), K2 = max(K1 + k2_gap, p80) of the window (numpy's linear
     percentile, truncated to int) once at least `refit_every` steps passed since the last refit
-    (the first counts from step 0) and the window holds at least `min_samples` lengths.
+    (the first counts from step 0) and the window holds at least `min_samples` lengths. The
+    quantiles, window and cadence are the paper's (Sec. 3.2, App. A.3); the clamps and
+    `min_samples` follow the reference code.
     """
 
     def __init__(

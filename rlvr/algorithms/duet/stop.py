@@ -1,5 +1,8 @@
-"""DUET's in-generation stop rule (paper Eq. 5, digest `duet.md` section 3.5): answer-marker
-detection on decoded text, and the per-rollout controller that trims, keeps or aborts a rollout.
+"""DUET's in-generation stop rule (arXiv:2605.08441, Sec. 3.2, Eq. 5, Alg. 1 lines 11-33): answer-
+marker detection on decoded text, and the per-rollout controller that trims, keeps or aborts a
+rollout. The marker patterns follow the authors' code ("the reference code",
+github.com/Haoyu-Hu/DUET), which is looser than App. A.3's wording: any closed box counts,
+whatever follows it.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def _has_closing_fence(text: str) -> bool:
 
 
 def has_marker(text: str, domain: str) -> bool:
-    r"""Whether decoded rollout text carries the domain's answer marker (digest section 3.5).
+    r"""Whether decoded rollout text carries the domain's answer marker m (Sec. 3.2, App. A.3).
 
     math: a closed `\boxed{...}` (nested braces), `\boxed[...]`, "## Final Answer" or
     "Final answer: X". code: a closing ``` fence at column 0. qa: `<answer>...</answer>`,
@@ -82,7 +85,7 @@ def rollout_seed(base_seed: int, step: int, row: int) -> int:
     """Seed of one rollout's eps-keep coin: a 64-bit hash of (base seed, training step, row).
 
     Rows of one step and the same row across steps get independent coins; the same triple
-    reproduces the decision on any machine (digest check C6).
+    reproduces the decision on any machine.
     """
     key = f"{base_seed}:{step}:{row}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
@@ -104,12 +107,14 @@ class StopController:
     called for t = 1, 2, ... before the next token is sampled) and returns True when the next
     token must be EOS. From t >= k1, at every t divisible by `poll_every`, the decoded last
     `window` tokens are checked for the domain marker; once it fires at t_m, EOS is forced at
-    t = t_m + grace (tail trim; the rollout is kept with propensity 1). At t = k2 + grace without
-    a marker the text is checked once more; if still none, one coin U = coin(seed) in [0, 1) is
-    drawn: U < eps_abort keeps the rollout (eps_kept, propensity eps_abort) and runs it to
-    natural EOS / max_tokens with no further checks; otherwise EOS is forced now (aborted). A
-    rollout that ends naturally before any decision has all flags False. Once it asks to stop it
-    keeps answering True, and is never consulted again by `StopRuleTracker`.
+    t = t_m + grace (tail trim; the rollout is kept with propensity 1). The paper may stop
+    earlier, at a low-entropy token past the marker (Alg. 1 line 20); we use the cap alone. At
+    t = k2 + grace without a marker the text is checked once more (as the reference code does);
+    if still none, one coin U = coin(seed) in [0, 1) is drawn: U < eps_abort keeps the rollout
+    (eps_kept, propensity eps_abort) and runs it to natural EOS / max_tokens with no further
+    checks; otherwise EOS is forced now (aborted). A rollout that ends naturally before any
+    decision has all flags False. Once it asks to stop it keeps answering True, and is never
+    consulted again by `StopRuleTracker`.
     """
 
     def __init__(

@@ -1,4 +1,5 @@
-"""GRPO core: group-normalised advantages, the PPO-clip token loss and the k3 KL estimator.
+"""GRPO core (arXiv:2402.03300, Sec. 4.1): group-normalised advantages, the PPO-clip token loss
+and the k3 KL estimator.
 
 Pure functions over numpy/torch in the style of verl's core_algos; a config string picks the
 advantage scaling ("group" = GRPO, "none" = Dr.GRPO) and the loss aggregation from small registries.

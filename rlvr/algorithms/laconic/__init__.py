@@ -1,9 +1,10 @@
 """LACONIC: a corpus-level length budget as a constraint, solved by primal-dual steps.
 
-Primal: GRPO on the Lagrangian reward r - lambda * max(L/B - 1, 0); dual: once per step,
-lambda <- clip(lambda + eta * (mean L / B - 1), 0, lam_max) (digest sections 2-3, eqs. E4-E9).
-Also the digest's numpy toys (section 10, T9 and T10) that check the dual map and its coupling
-with GRPO.
+LACONIC (Liu et al., "LACONIC: Length-Aware Constrained Reinforcement Learning for LLM"; equation
+numbers are the paper's). Primal: GRPO on the Lagrangian reward r - lambda * max(L/B - 1, 0)
+(Eqs. 6-8); dual: once per step, lambda <- clip(lambda + eta * (mean L / B - 1), 0, lam_max)
+(Eq. 9); Algorithm 1 alternates them. Also two numpy toys of ours that check the dual map (the
+idealised dynamics of App. C.1) and its coupling with GRPO.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import numpy as np
 
 from rlvr.algorithms.grpo import group_advantages
 
-# eta = 0.002 is inferred from the paper's eta ablation (its eta=0.002 row equals LACONIC B=1500);
-# lam_max = 0.3 is the paper's ceiling; lam_init is not given, 0 makes the first step plain GRPO.
+# eta = 0.002 is inferred from the paper's eta ablation (its eta=0.002 row of Table 6 equals
+# LACONIC B=1500 in Table 3); lam_max = 0.3 is the ceiling of its eta ablation (Sec. 5.3, Fig. 6);
+# lam_init is an input of Algorithm 1 with no value given: our choice 0 makes step 0 plain GRPO.
 DEFAULT_ETA = 0.002
 DEFAULT_LAM_MAX = 0.3
 DEFAULT_LAM_INIT = 0.0
@@ -55,7 +57,7 @@ def _lengths(lengths: np.ndarray | list[int]) -> np.ndarray:
 
 @register_length_cost("hinge")
 def length_cost(lengths: np.ndarray | list[int], budget: float) -> np.ndarray:
-    """LACONIC's per-response cost max(L/B - 1, 0) `[batch]` (eq. E4).
+    """LACONIC's per-response cost max(L/B - 1, 0) `[batch]` (Eq. 6).
 
     Zero within budget, so nothing pushes a response shorter than B; not clipped above (at most
     Lmax/B - 1). Truncated responses count with their capped length.
@@ -66,10 +68,10 @@ def length_cost(lengths: np.ndarray | list[int], budget: float) -> np.ndarray:
 
 @register_length_cost("linear")
 def linear_length_cost(lengths: np.ndarray | list[int], budget: float) -> np.ndarray:
-    """Signed cost L/B - 1 `[batch]` of standard primal-dual (eq. E3), kept for the ablation.
+    """Signed cost L/B - 1 `[batch]` of standard primal-dual (Eq. 4), kept for the ablation.
 
     Negative under budget, so any lambda > 0 rewards shortening every response; the paper shows it
-    collapses lengths far below B before recovering.
+    collapses lengths far below B before recovering (App. A.2, Tables 4-5).
     """
     budget = _check_budget(budget)
     return _lengths(lengths) / budget - 1.0
@@ -82,7 +84,7 @@ def lagrangian_rewards(
     lam: float,
     cost: Literal["hinge", "linear"] = "hinge",
 ) -> np.ndarray:
-    """Lagrangian rewards r - lam * cost(L) `[batch]` (eq. E5), fed to GRPO in place of r.
+    """Lagrangian rewards r - lam * cost(L) `[batch]` (Eq. 7), fed to GRPO (Eq. 8) in place of r.
 
     `lam` is the value read once for the whole step. At lam = 0 the result equals `rewards`
     bit for bit (as float64), so the step is exactly a GRPO step.
@@ -100,7 +102,7 @@ def lagrangian_rewards(
 
 
 def dual_update(lam: float, mean_length: float, budget: float, eta: float, lam_max: float) -> float:
-    """One projected dual step clip(lam + eta * (mean_length / B - 1), 0, lam_max) (eq. E8).
+    """One projected dual step clip(lam + eta * (mean_length / B - 1), 0, lam_max) (Eq. 9).
 
     Driven by the SIGNED violation of the step's plain mean length: with the clipped cost here
     lambda could never decrease. `lam_max` is the ceiling Lambda (see `safe_lambda_ceiling`).
@@ -120,7 +122,7 @@ def dual_update(lam: float, mean_length: float, budget: float, eta: float, lam_m
 def safe_lambda_ceiling(budget: float, max_tokens: int) -> float:
     """The ceiling B / (Lmax - B) below which a correct answer of any length outscores a wrong one.
 
-    With r in {0, 1}: 1 - lam * (Lmax - B) / B > 0 iff lam < B / (Lmax - B) (eq. E9); at the
+    With r in {0, 1}: 1 - lam * (Lmax - B) / B > 0 iff lam < B / (Lmax - B) (Sec. 2.3); at the
     ceiling itself a correct Lmax-long answer ties with a wrong short one. Needs B < Lmax.
     """
     budget = _check_budget(budget)
@@ -266,7 +268,7 @@ def step_metrics(
 
 
 def best_response_length(lam: float, budget: float, max_tokens: int, tau: float) -> float:
-    """Exact maximiser over L of 1 - exp(-L/tau) - lam * max(L/B - 1, 0) (digest T9).
+    """Exact maximiser over L of 1 - exp(-L/tau) - lam * max(L/B - 1, 0) (a toy of ours).
 
     Within budget the cost is 0 and success grows with L, so L >= B; above it the first-order
     condition gives tau * ln(B / (lam * tau)); lam = 0 picks Lmax.
@@ -285,7 +287,7 @@ def simulate_best_response(
     lam_max: float = DEFAULT_LAM_MAX,
     lam_init: float = DEFAULT_LAM_INIT,
 ) -> dict[str, np.ndarray]:
-    """Idealised LACONIC (digest T9): the policy plays the exact best response to each lambda.
+    """Idealised LACONIC (App. C.1, Eq. 21): the policy plays the exact best response to lambda.
 
     Success probability 1 - exp(-L/tau). The dual map converges to lam* = (B/tau) exp(-B/tau)
     with L -> B (Thm C.4). Returns per-step arrays `[steps]`: lam (used), length, reward.
@@ -316,7 +318,7 @@ def simulate_bandit(
     tau: float = 500.0,
     arm_lengths: tuple[int, ...] = BANDIT_ARM_LENGTHS,
 ) -> dict[str, np.ndarray]:
-    """Stochastic bandit trained by GRPO on Lagrangian rewards with the dual update (digest T10).
+    """Stochastic bandit trained by GRPO on Lagrangian rewards with the dual update (our toy).
 
     Each arm is a "strategy" of fixed length L with success probability 1 - exp(-L/tau); a softmax
     policy (logits 0, the longest arm 3) samples `prompts` groups of `group_size` per step, takes

@@ -15,8 +15,9 @@ from rlvr.training.rollouts import Rollouts
 
 @register("laconic")
 class Laconic(Method):
-    """LACONIC (Liu et al., "Length-Aware Constrained Reinforcement Learning for LLM"): GRPO on the Lagrangian reward r - lambda * c(L) with an
-    adaptive dual lambda, read once per step from the controller before any advantage."""
+    """LACONIC (Liu et al., "LACONIC: Length-Aware Constrained Reinforcement Learning for LLM",
+    Algorithm 1): GRPO on the Lagrangian reward r - lambda * c(L) (Eqs. 6-8) with an adaptive
+    dual lambda (Eq. 9), read once per step from the controller before any advantage."""
 
     def shape(
         self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int

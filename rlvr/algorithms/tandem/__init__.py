@@ -1,6 +1,8 @@
-"""Tandem RL co-generation core (digest tandem.md sections 2.1-2.6): the word-boundary set, the
-per-request author state machine, the senior-only loss mask and a two-model segment-loop generator
-that serves as the test oracle for the engine's fast path.
+"""Tandem RL co-generation core (arXiv:2606.28166, Sec. 3.3-3.4 and App. A.1): the word-boundary
+set, the per-request author state machine, the senior-only loss mask and a two-model segment-loop
+generator that serves as the test oracle for the engine's fast path. "The reference code" is the
+authors' code, github.com/CSSLab/Tandem-RLVR (the paper names it); it settles details the text
+leaves open, such as when a redraw takes effect.
 
 Seeding contract (every path that claims equality with `tandem_generate_reference` must follow it):
 
@@ -87,14 +89,16 @@ class SwitchCounters:
 @dataclass(frozen=True)
 class WordSwitchSchedule:
     """TRL's switching rule: a Bernoulli(p) author redraw after each word-boundary token or after
-    `cap` tokens since the last redraw (digest 2.1). Holds no per-request state; see `AuthorState`."""
+    `cap` tokens since the last redraw (Sec. 3.3, App. A.1.2). As in the reference code, the token
+    that triggers a redraw is written by the current author and the winner writes the next one.
+    Holds no per-request state; see `AuthorState`."""
 
     boundary_ids: frozenset[int]
     p: float = 0.5
-    """Probability that the senior wins a draw."""
+    """Probability that the senior wins a draw (the paper's fair coin: 0.5)."""
     cap: int = 32
     """K: redraw after this many tokens without a redraw, so no model keeps control through long
-    runs without `Ġ` tokens (LaTeX, identifiers, code)."""
+    runs without `Ġ` tokens (LaTeX, identifiers, code); App. A.1.2, 32 as in the reference code."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.p <= 1.0:
@@ -215,7 +219,8 @@ def tandem_generate_reference(
     top_p: float = 1.0,
     top_k: int = 0,
 ) -> TandemRollout:
-    """Co-write one response with a two-model segment loop (the test oracle, digest 2.2).
+    """Co-write one response with a two-model segment loop (the test oracle for the paper's
+    lockstep dual-decoder engine, App. A.1.1).
 
     The active model writes token by token on the shared id prefix until the schedule hands over,
     then the other model continues from the same prefix. Only the active model is queried, which
@@ -270,7 +275,8 @@ def authorship_matrix(
 
 
 def senior_loss_mask(response_mask: torch.Tensor, authorship: torch.Tensor | None) -> torch.Tensor:
-    """Positions that enter the senior's loss: response_mask AND authorship == senior.
+    """Positions that enter the senior's loss: response_mask AND authorship == senior (Sec. 3.4,
+    Eq. 1; App. A.1.1).
 
     Shapes `[batch, seq]`, same layout. The gate only removes positions. Combined with `torch.where`
     so a boolean result is exact whatever the dtypes. `authorship=None` raises: the reference code
@@ -289,7 +295,7 @@ def senior_loss_mask(response_mask: torch.Tensor, authorship: torch.Tensor | Non
 def schedule_metrics(
     authorships: Sequence[Sequence[int]], counters: Sequence[SwitchCounters]
 ) -> dict[str, float]:
-    """Per-step Tandem metrics over one batch of rollouts (digest 2.6).
+    """Per-step Tandem schedule metrics over one batch of rollouts (our diagnostics).
 
     `senior_token_frac` (all senior tokens / all response tokens, ungated; it must be near p),
     `switches_per_seq`, `mean_run_length` (tokens per same-author run) and `cap_redraw_share`

@@ -17,8 +17,9 @@ from rlvr.training.rollouts import Rollouts
 
 @register("tandem")
 class Tandem(Method):
-    """Tandem RL (arXiv:2606.28166): a frozen junior co-writes every rollout, only the senior's
-    tokens train; best checkpoint by the accuracy of tandem rollouts (section 5.1)."""
+    """Tandem RL (arXiv:2606.28166, Algorithm 1): a frozen junior co-writes every rollout at word
+    boundaries (Sec. 3.3), only the senior's tokens train (Sec. 3.4, Eq. 1); best checkpoint by
+    the accuracy of tandem rollouts (Sec. 5.1)."""
 
     best_metric = "eval_tandem_accuracy"
     senior_tokens_only = True

@@ -1,5 +1,8 @@
-"""Tandem RL evaluation metrics (digest tandem.md section 5): pass@k, the handoff-robustness loop,
-junior cross-entropy and distribution overlap (legibility), and marginal-token drift.
+"""Tandem RL evaluation metrics (arXiv:2606.28166, Sec. 4): pass@k (Sec. 4.2), the
+handoff-robustness loop (Sec. 4.3, App. B.3), marginal-token drift (Sec. 4.4), and junior
+cross-entropy and distribution overlap (legibility, Sec. 4.5). Details the text leaves open follow
+the authors' code ("the reference code", github.com/CSSLab/Tandem-RLVR) or are our choices, as
+marked.
 
 Pure functions over token ids, tensors and generic model callables; engines plug in as writers.
 """
@@ -110,7 +113,8 @@ class HandoffRollout:
 
 
 def handoff_budget(prompt_len: int, max_new_tokens: int = 3000, context_len: int = 4096) -> int:
-    """The HR chain's shared token budget: min(max_new_tokens, context_len - prompt_len - 8)."""
+    """The HR chain's shared token budget: min(max_new_tokens, context_len - prompt_len - 8), as
+    in the reference code."""
     return max(0, min(max_new_tokens, context_len - prompt_len - 8))
 
 
@@ -124,14 +128,15 @@ def handoff_rollouts(
     p: float = 0.5,
     max_rounds: int = 150,
 ) -> list[HandoffRollout]:
-    """Team chains in which senior and junior take turns at step boundaries (digest 5.2).
+    """Team chains in which senior and junior take turns at step boundaries (Sec. 4.3).
 
     The senior writes the first turn. `schedule="strict"` alternates after every turn;
     `"stochastic"` lets the senior write the next turn iff `uniform(seed, r) < p` after turn r
-    (App. B.3). Each chain shares one budget between both models; a turn of chain i is asked for at
-    most the rest of it with seed `seeds[i] + tokens used so far` [C]. A chain ends at EOS, when the
-    budget is spent, or after `max_rounds` turns. Each round calls each writer once with the batch of
-    chains it writes.
+    (App. B.3). Each chain shares one budget between both models; a turn of chain i is asked for
+    at most the rest of it with seed `seeds[i] + tokens used so far`. A chain ends at EOS, when
+    the budget is spent, or after `max_rounds` turns (the first writer, seeding and 150-round cap
+    follow the reference code). Each round calls each writer once with the batch of chains it
+    writes.
     """
     if schedule not in ("strict", "stochastic"):
         raise ValueError(f"schedule must be 'strict' or 'stochastic', got {schedule!r}")
@@ -305,8 +310,10 @@ def marginal_drift(
     alpha: float = 1.0,
     min_junior_count: int = 20,
 ) -> Drift:
-    """Drift of model M from the junior from pooled token counts (digest 5.3): both KL directions,
-    the signed log-ratio and its survival curve (default taus 0, 0.1, ..., 4)."""
+    """Drift of model M from the junior from pooled token counts (Sec. 4.4, Fig. 4): both KL
+    directions, the signed log-ratio and its survival curve (default taus 0, 0.1, ..., 4). Our
+    choices, as the paper states neither: additive smoothing `alpha` and the frequency threshold
+    `min_junior_count`."""
     if np.shape(counts_model) != np.shape(counts_junior):
         raise ValueError("count vectors must cover the same vocabulary")
     taus = np.linspace(0.0, 4.0, 41) if taus is None else np.asarray(taus, dtype=np.float64)
@@ -334,8 +341,9 @@ class Pushback:
 def pushback(
     d_grpo: np.ndarray, d_trl: np.ndarray, top: int = 500, candidates: np.ndarray | None = None
 ) -> Pushback:
-    """Top-`top` pushback (digest 5.3): among the tokens with the largest |d_GRPO| (within the
-    boolean `candidates`, default all), the fraction where sign(d_TRL - d_GRPO) = -sign(d_GRPO).
+    """Top-`top` pushback (Sec. 4.4): among the tokens with the largest |d_GRPO| (within the
+    boolean `candidates`, default all), the fraction where sign(d_TRL - d_GRPO) = -sign(d_GRPO)
+    (our reading of "TRL shifting in the opposing direction").
 
     A token with d_GRPO = 0 or an unchanged d never counts as pushed back.
     """
