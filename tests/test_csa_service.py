@@ -278,7 +278,7 @@ def test_config_change_is_a_new_epoch_and_versions_switch_at_boundaries(tmp_path
     # Same spec, new policy: recorded at seq 3, same epoch (assumption P allows policy updates).
     assert host.open_stream("s", SPEC, policy="p2")["epoch"] == 1
     host.decide("s", 0.1)
-    # New scorer: the score map changed, so a new epoch from seq 4 (R4).
+    # New scorer: the score map changed, so a new epoch from seq 4 (our choice).
     assert host.open_stream("s", SPEC, scorer="g2")["epoch"] == 2
     assert host.status("s")["version_history"] == [
         {"seq": 0, "policy": "p1", "scorer": "g1"},

@@ -1,4 +1,6 @@
-"""The algorithm.dro config section: digest defaults, validation naming the key, policy wiring."""
+"""The algorithm.dro config section: defaults (arXiv:2506.13351, Table 3 and App. F.2, with our
+choices where the paper gives a range or an approximate value), validation naming the key, policy
+wiring."""
 
 from pathlib import Path
 
@@ -7,7 +9,7 @@ import pytest
 from rlvr.config import ConfigError, load_config
 
 
-def test_defaults_follow_the_digest():
+def test_defaults():
     d = load_config(None, ["algorithm.name=dro"]).algorithm.dro
     assert (d.reward, d.omega, d.clip_low, d.clip_high) == ("r3", 1.5, 0.05, 0.85)
     assert (d.mu, d.rho_g, d.nu, d.rho_ent, d.beta) == (1, 0.25, 0.6, 0.4, 0.001)

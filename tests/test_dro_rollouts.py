@@ -1,5 +1,6 @@
 """DRO over a step's rollouts: scoring ids spliced from token ids (never re-tokenized), group
-rewards and gates, the batch of accepted groups, and the step metrics (digest 2.1-2.6, T1, T11)."""
+rewards and gates, the batch of accepted groups, and the step metrics (arXiv:2506.13351: Sec. 3.1.1,
+Eqs. 1-3, Sec. 4.1), on the hand-computed R3 case and hand-made rubric judgments."""
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from rlvr.training.rollouts import Rollouts
 
 TOKENS = DroTokens(delimiters=[[50, 51]], separator=[9], stop=frozenset({0}))
 REFS = {"a": [7, 8, 10, 11], "b": [6]}
-# digest T1: G=4, L=4
+# hand-computed R3 case: G=4, L=4, rows 0/2 and 1/3 equal
 P_A = np.array(
     [
         [0.95, 0.60, 0.50, 0.01],
@@ -75,7 +76,7 @@ def test_scoring_inputs_splice_ids_and_slice_off_the_answer():
 
 
 def logprobs_for(rollouts):
-    """Row log-probs: group a from T1's P, group b constant."""
+    """Row log-probs: group a from the hand-computed P_A, group b constant."""
     rows = [list(np.log(p)) for p in P_A] + [[np.log(0.3)]] * 4
     return rows[: len(rollouts)]
 

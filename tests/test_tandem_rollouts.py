@@ -14,7 +14,9 @@ from rlvr.models.tiny import build_tiny_model
 from rlvr.training.rollouts import Rollouts
 
 
-def test_config_defaults_follow_the_digest():
+def test_config_defaults():
+    # p = 0.5 is the paper's fair coin (arXiv:2606.28166, Sec. 3.3) and its KL loss is disabled
+    # (App. A.3, Table 4); the cap of 32 follows the authors' code.
     t = Config().algorithm.tandem
     assert (t.p, t.cap, t.junior_path) == (0.5, 32, None)
     assert Config().training.kl_coef == 0.0

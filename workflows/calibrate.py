@@ -1,4 +1,5 @@
-"""`rlvr calibrate`: fit the CSA score map of a checkpoint on a CAL split (csa.md 2.1-2.2, App H).
+"""`rlvr calibrate`: fit the CSA score map of a checkpoint on a CAL split (arXiv:2605.20270:
+Sec. 4.2 and App. H for the isotonic map, App. B.5 for the grid).
 
 For each CAL problem: K self-consistency samples, the majority answer and raw score 1 - agreement,
 the math verifier's verdict on that answer; then the isotonic map g(raw) -> P(fail) and the grid,

@@ -2,9 +2,9 @@
 
 `rlvr filter --config X` samples G rollouts per training query from the reference model, scores the
 reference answer after each CoT and keeps the queries with the highest top-10% token std (sbar)
-plus the hard-case fill (`dro.md` 2.3); it writes the scored table, the retained dataset and a
-histogram. `rlvr rubrics --config X` writes and validates each query's rubrics (2.4) into the cache
-training reads. Both run in this process, without Ray.
+plus the hard-case fill (DRO, arXiv:2506.13351, Sec. 4.2); it writes the scored table, the retained
+dataset and a histogram. `rlvr rubrics --config X` writes and validates each query's rubrics
+(Sec. 4.1, App. E) into the cache training reads. Both run in this process, without Ray.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""`rlvr evaluate`: Tandem RL's held-out evaluation of a trained senior against a junior (digest
-tandem.md section 5): solo pass@k, handoff robustness (strict and stochastic), legibility (junior
-cross-entropy, distribution overlap) and marginal-token drift, written as JSON and PNG plots.
+"""`rlvr evaluate`: Tandem RL's held-out evaluation of a trained senior against a junior
+(arXiv:2606.28166, Sec. 4 and App. B.3): solo pass@k, handoff robustness (strict and stochastic),
+legibility (junior cross-entropy, distribution overlap) and marginal-token drift, written as JSON
+and PNG plots.
 
 Pure evaluation in this process (no Ray): generation through the backends, teacher-forced passes
 through transformers; the metric math lives in `rlvr.algorithms.tandem.metrics`.
@@ -40,7 +41,8 @@ BOUNDARY_TAIL = 4
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """Sampling and aggregation settings; defaults are the digest's evaluation settings (4, 11.8)."""
+    """Sampling and aggregation settings; the defaults are the evaluation settings of the authors'
+    code (the paper's text does not give them)."""
 
     n: int = 8
     """Samples (solo) and chains (handoff) per problem."""
@@ -149,7 +151,8 @@ def backend_turn_writer(
     backend: GenerationBackend, boundary: str, settings: EvalSettings
 ) -> tm.TurnWriter:
     """A `TurnWriter` over a generation backend: one seeded sample per turn, cut at the step
-    boundary by `StepEnd` (digest 5.2, in-engine token ids, no retokenization)."""
+    boundary by `StepEnd` (Sec. 4.3's step schedule; in-engine token ids with no retokenization,
+    as in the authors' in-engine code)."""
 
     def write(requests: list[tm.TurnRequest]) -> list[tm.Turn]:
         rules: list[StepEnd] = []

@@ -1,9 +1,10 @@
 """`rlvr serve`: a Ray Serve app with an OpenAI-compatible API behind the CSA release gate.
 
-Per request (csa.md section 3.2): K self-consistency samples, the majority answer, raw score
-1 - agreement, calibrated score g(raw), then the stream's decision from the ControllerActor, the
-single writer of every stream (any number of replicas share them). Released: the answer; abstained:
-the configured fallback; always a `csa` object. Labels arrive from shadow verification (requests
+Per request (one round of Algorithm 1 of arXiv:2605.20270, with the delayed verifier evaluation
+of App. B.4): K self-consistency samples, the majority answer, raw score 1 - agreement, calibrated
+score g(raw), then the stream's decision from the ControllerActor, the single writer of every
+stream (any number of replicas share them). Released: the answer; abstained: the configured
+fallback; always a `csa` object. Labels arrive from shadow verification (requests
 with metadata.reference, checked by a VerifierActor pool, applied asynchronously) or from
 POST /v1/feedback; a label overdue past the stream's timeout counts as a failure.
 """

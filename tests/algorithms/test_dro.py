@@ -1,5 +1,5 @@
-"""DRO kernels against the digest's hand-computed checks (specs/dro.md section 9: T1-T2, T4-T8,
-T10-T11, T13-T14), plus the token-id scoring input and the rubric JSON parser."""
+"""DRO kernels (arXiv:2506.13351) against hand-computed values, a toy LM with known logits and a
+seeded dilution simulation, plus the token-id scoring input and the rubric JSON parser."""
 
 import json
 import math
@@ -34,7 +34,8 @@ from rlvr.algorithms.dro import (
 )
 from rlvr.training.batch import token_logprobs
 
-# Digest T1: rows 0/2 and 1/3 are equal; columns 0 and 2 are constant across rollouts.
+# Hand-computed case, G=4, L=4: rows 0/2 and 1/3 are equal; columns 0 and 2 are constant across
+# rollouts.
 P1 = np.array(
     [
         [0.95, 0.60, 0.50, 0.01],
@@ -49,10 +50,10 @@ def _two_valued(a: float, b: float) -> list[float]:
     return [a, b, a, b]
 
 
-# --- R3 arithmetic (T1, T5, T6, T7, T14) ---------------------------------------------------------
+# --- R3 arithmetic (Eq. 2) and the baselines of Table 1 -------------------------------------------
 
 
-def test_t1_sigma_weights_and_r3():
+def test_sigma_weights_and_r3_by_hand():
     np.testing.assert_allclose(token_std(P1), [0.0, 0.230940, 0.0, 0.005774], atol=1e-6)
     sigma = token_std(P1)
     np.testing.assert_allclose(emphasis_weights(sigma, 0.0), [0.25] * 4, atol=1e-12)
@@ -77,7 +78,7 @@ def test_t1_sigma_weights_and_r3():
         )
 
 
-def test_t1_baselines():
+def test_avg_prob_and_avg_logprob_baselines_by_hand():
     np.testing.assert_allclose(avg_prob_rewards(P1), _two_valued(0.515, 0.4175), atol=1e-12)
     np.testing.assert_allclose(
         avg_logprob_rewards(np.log(P1)), _two_valued(-1.465109, -1.566475), atol=1e-6
@@ -108,7 +109,7 @@ def test_sigma_on_clipped_option():
     np.testing.assert_allclose(r3_rewards(P1, 1.0, sigma_on_clipped=True), expected, atol=1e-12)
 
 
-def test_t5_identical_rollouts():
+def test_identical_rollouts():
     p = np.tile([0.9, 0.3, 0.02, 0.6], (5, 1))
     # The float mean of equal values can miss them by an ulp, so a constant column's std is 0
     # only up to rounding (here and in filter_score below).
@@ -122,7 +123,7 @@ def test_t5_identical_rollouts():
     assert filter_score(p) == pytest.approx(0.0, abs=1e-15)
 
 
-def test_t6_constant_column_is_an_affine_map():
+def test_constant_column_is_an_affine_map():
     p = np.array([[0.95, 0.6, 0.5, 0.01], [0.95, 0.2, 0.5, 0.02], [0.7, 0.6, 0.3, 0.2]])
     wider = np.hstack([p, np.full((3, 1), 0.4)])
     r = r3_rewards(p, omega=2.0)
@@ -133,7 +134,7 @@ def test_t6_constant_column_is_an_affine_map():
     np.testing.assert_allclose(group_advantage(r), group_advantage(r_wide), atol=1e-3)
 
 
-def test_t7_emphasis_rises_with_omega():
+def test_emphasis_rises_with_omega():
     rng = np.random.default_rng(0)
     p = rng.normal(0.5, 0.02, size=(16, 200))
     p[:8, 0], p[8:, 0] = 0.7, 0.2
@@ -148,7 +149,8 @@ def test_t7_emphasis_rises_with_omega():
 
 
 def _dilution_trial(rng: np.random.Generator, frac: float) -> np.ndarray:
-    """One digest-T8 group: correlations of (Avg Logprob, Avg Prob, R3) with the reflective mean."""
+    """One group of our dilution simulation (after App. D): correlations of (Avg Logprob, Avg
+    Prob, R3) with the reflective mean."""
     g, length = 16, int(rng.integers(25, 751))
     n_ref = max(1, round(frac * length))
     u = rng.normal(size=g)
@@ -165,7 +167,7 @@ def _dilution_trial(rng: np.random.Generator, frac: float) -> np.ndarray:
     return np.array([np.corrcoef(r, target)[0, 1] for r in rewards])
 
 
-def test_t8_dilution_ordering():
+def test_dilution_ordering():
     rng = np.random.default_rng(1234)
     for frac in (0.005, 0.02):
         logprob, avgprob, r3 = np.mean([_dilution_trial(rng, frac) for _ in range(1000)], axis=0)
@@ -174,7 +176,7 @@ def test_t8_dilution_ordering():
             assert r3 - avgprob > 0.15
 
 
-def test_t14_degenerate_shapes():
+def test_degenerate_shapes():
     p = np.array([[0.9], [0.3], [0.02]])
     np.testing.assert_allclose(emphasis_weights(token_std(p), 1.5), [1.0])
     np.testing.assert_allclose(r3_rewards(p), [0.85, 0.3, 0.05], atol=1e-12)
@@ -191,7 +193,7 @@ def test_t14_degenerate_shapes():
         build_scoring_ids([1, 2], [3], [], [])
 
 
-# --- scoring input as token ids and the toy LM (T2, T4) ------------------------------------------
+# --- scoring input as token ids (Sec. 3.1.1, App. M) and the toy LM -------------------------------
 
 
 def test_build_scoring_ids_slices_at_the_delimiter():
@@ -246,8 +248,9 @@ def test_match_delimiter_takes_the_first_occurrence_of_any_variant():
 
 
 def _toy_logits(ids: list[int], vocab: int = 7) -> torch.Tensor:
-    """Digest T2's LM: the next token is 0 with odds 4:1 against each other token once "insight"
-    (id 4) has appeared, else uniform. Row t predicts ids[t + 1], as a causal LM's logits do."""
+    """A toy LM with known logits: the next token is 0 with odds 4:1 against each other token once
+    "insight" (id 4) has appeared, else uniform. Row t predicts ids[t + 1], as a causal LM's logits
+    do."""
     rows = []
     for t in range(len(ids)):
         row = torch.zeros(vocab, dtype=torch.float64)
@@ -265,7 +268,7 @@ def _toy_certainty(prompt, completions, delimiter, reference, vocab):
     return self_certainty(rows, [pos for _, pos in built])
 
 
-def test_t2_toy_lm_certainties_and_r3():
+def test_toy_lm_certainties_and_r3():
     p = _toy_certainty([1], [[2, 4, 3], [2, 3, 3]], [], [0, 1], vocab=5)
     np.testing.assert_allclose(p, [[0.5, 0.125], [0.2, 0.2]], atol=1e-12)
     np.testing.assert_allclose(token_std(p), [0.212132, 0.053033], atol=1e-6)
@@ -275,7 +278,7 @@ def test_t2_toy_lm_certainties_and_r3():
     np.testing.assert_allclose(r3_rewards(p, 0.0), [0.3125, 0.2], atol=1e-12)
 
 
-def test_t4_slicing_ignores_the_sampled_answer():
+def test_slicing_ignores_the_sampled_answer():
     # Vocab 7: 5 = "</think>". Answers after it may contain "insight" (4).
     def rewards(completions, delimiter):
         return r3_rewards(_toy_certainty([1], completions, delimiter, [0, 1], vocab=7), 1.5)
@@ -304,7 +307,7 @@ def test_reference_logprobs_reads_ragged_rows_at_their_positions():
         reference_logprobs(rows, [range(3, 5), [3, 4]])
 
 
-# --- filter (T10) --------------------------------------------------------------------------------
+# --- filter (Sec. 4.2) ----------------------------------------------------------------------------
 
 
 F2 = np.full((4, 20), 0.5)
@@ -314,7 +317,7 @@ F3 = np.full((4, 20), 0.5)
 F3[:2], F3[2:] = 0.53, 0.47
 
 
-def test_t10_filter_scores_and_ranking():
+def test_filter_scores_and_ranking():
     assert filter_score(P1) == pytest.approx(0.230940, abs=1e-6)
     assert filter_score(F2) == pytest.approx(0.288675, abs=1e-6)
     assert mean_token_std(F2) == pytest.approx(0.028868, abs=1e-6)
@@ -325,7 +328,7 @@ def test_t10_filter_scores_and_ranking():
     assert mean_token_std(F3) > mean_token_std(F2)
 
 
-def test_t10_top_fraction_rounds_up_without_float_noise():
+def test_filter_top_fraction_rounds_up_without_float_noise():
     # L=30: 0.1 * 30 is 3.0000000000000004 in floats, but J_top must hold 3 tokens, not 4.
     p = np.full((4, 30), 0.5)
     for j, d in enumerate([0.3, 0.2, 0.1, 0.05]):
@@ -347,7 +350,7 @@ def _corpus() -> list[np.ndarray]:
     return corpus
 
 
-def test_t10_retention_on_a_constructed_corpus():
+def test_filter_retention_on_a_constructed_corpus():
     corpus = _corpus()
     scores = [filter_score(p) for p in corpus]
     means = [float(p.mean()) for p in corpus]
@@ -365,7 +368,7 @@ def test_t10_retention_on_a_constructed_corpus():
     assert sel.kept.tolist() == sorted(list(range(8)) + only.by_score.tolist())
 
 
-def test_t10_zero_variance_is_never_kept_by_score():
+def test_filter_never_keeps_zero_variance_by_score():
     scores = np.zeros(100)
     scores[[3, 40, 77]] = [0.2, 0.1, 0.3]
     means = np.linspace(0.9, 0.1, 100)
@@ -381,7 +384,7 @@ def test_t10_zero_variance_is_never_kept_by_score():
     assert many.by_score.size == 33 and many.kept.size == 200
 
 
-# --- gates (T11) ---------------------------------------------------------------------------------
+# --- gates (Sec. 4.1) -----------------------------------------------------------------------------
 
 
 R8 = np.array([0.9, 0.8, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6])  # top two by R3: rollouts 0 and 1
@@ -391,19 +394,19 @@ def _rows(*rows: str) -> np.ndarray:
     return np.array([[c == "1" for c in row] for row in rows])
 
 
-def test_t11a_uncovered_rubric_rejects():
+def test_uncovered_rubric_rejects():
     s = _rows("11110", "11110", "11110", "11110", "00000", "00000", "00000", "00000")
     assert not coverage_gate(s, mu=1)
     assert consistency_gate(s, R8, rho_g=0.25, nu=0.6)
 
 
-def test_t11b_inconsistent_top_rollout_rejects():
+def test_inconsistent_top_rollout_rejects():
     s = _rows("11111", "11000", "00111", "00000", "00000", "00000", "00000", "00000")
     assert coverage_gate(s, mu=1)
     assert not consistency_gate(s, R8, rho_g=0.25, nu=0.6)
 
 
-def test_t11c_accept_with_inclusive_share():
+def test_accept_with_inclusive_share():
     s = _rows("11100", "11111", "00000", "00000", "00000", "00000", "00000", "00000")
     assert coverage_gate(s, mu=1)
     assert consistency_gate(s, R8, rho_g=0.25, nu=0.6)
@@ -419,7 +422,7 @@ def test_coverage_needs_mu_rollouts_per_item():
 
 
 @pytest.mark.parametrize(("k", "needed"), [(7, 5), (10, 6), (3, 2), (5, 3)])
-def test_t11_share_rounding(k, needed):
+def test_consistency_share_rounding(k, needed):
     r = np.arange(16.0)[::-1]  # rollout i has the i-th largest reward
     s = np.ones((16, k), dtype=bool)
     s[3, needed - 1 :] = False  # the 4th best meets exactly needed - 1 items
@@ -505,7 +508,7 @@ def test_parse_rubric_items_truncates_to_ten():
     assert parse_rubric_items("I cannot write rubrics.") is None
 
 
-# --- entropy mask and loss (T13) -----------------------------------------------------------------
+# --- entropy mask and loss (Eq. 3, App. F.2) ------------------------------------------------------
 
 
 def test_entropy_mask_keeps_the_ceil_fraction():
@@ -577,7 +580,7 @@ def _loss_batch():
     )
 
 
-def test_t13_loss_hand_computed():
+def test_loss_hand_computed():
     b = _loss_batch()
     loss, stats = dro_loss(**b, beta=0.1, rho_ent=0.5, max_len=4)
     # PG: -min(2 * 1, 1.2 * 1) on one token; KL k3 at token 0: 0.5 - ln 0.5 - 1 = ln 2 - 0.5.
@@ -600,7 +603,7 @@ def test_t13_loss_hand_computed():
     torch.testing.assert_close(grad, expected, atol=1e-12, rtol=0)
 
 
-def test_t13_rejected_groups_give_exactly_zero_gradient_and_do_not_count():
+def test_rejected_groups_give_exactly_zero_gradient_and_do_not_count():
     b = _loss_batch()
     all_rejected = torch.zeros(4, dtype=torch.bool)
     loss, stats = dro_loss(**{**b, "accepted": all_rejected}, beta=0.1, rho_ent=0.5)
@@ -618,7 +621,7 @@ def test_t13_rejected_groups_give_exactly_zero_gradient_and_do_not_count():
     assert full.item() == pytest.approx(alone.item(), abs=1e-15)
 
 
-def test_t13_gradient_is_advantage_weighted_score_at_ratio_one():
+def test_gradient_is_advantage_weighted_score_at_ratio_one():
     torch.manual_seed(0)
     logp = torch.log_softmax(torch.randn(3, 5, 4, dtype=torch.float64), -1)[..., 0]
     logp = logp.clone().requires_grad_(True)
@@ -630,7 +633,7 @@ def test_t13_gradient_is_advantage_weighted_score_at_ratio_one():
     torch.testing.assert_close(logp.grad, expected, atol=1e-15, rtol=0)
 
 
-def test_t13_truncated_rollout_shifts_the_baseline_but_gets_no_gradient():
+def test_truncated_rollout_shifts_the_baseline_but_gets_no_gradient():
     rewards = np.array([0.6, 0.2, 0.4, 0.9])  # rollout 3 is truncated
     adv = torch.tensor(group_advantage(rewards))
     without = group_advantage(rewards[:3])

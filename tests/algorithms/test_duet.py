@@ -1,6 +1,6 @@
-"""DUET's pure parts against hand-computed values and the digest's CPU checks (duet.md section 11):
-allocation (A), surrogate state (B), markers and the stop rule on char-level streams (C), weights
-and advantages (D1, D4), and exact unbiasedness on an enumerable toy policy (E)."""
+"""DUET's pure parts (arXiv:2605.08441) against hand-computed values and CPU-only checks: the
+allocation, the surrogate state, markers and the stop rule on char-level streams, weights and
+advantages, and exact unbiasedness on an enumerable toy policy (Theorem 3, App. A.2.6)."""
 
 import itertools
 import json
@@ -263,7 +263,8 @@ def test_fewer_than_two_kept_leaves_the_surrogate_alone():
     )
     after = state.observed(1)
     assert (after["sigma"], after["k"]) == (before["sigma"], before["k"])
-    # Kept lengths still count ([rec] 7): (10 + 30 + 50) / 3; visits count every appearance.
+    # Kept lengths still count (Alg. 1 lines 50-51): (10 + 30 + 50) / 3; visits count every
+    # appearance.
     assert after["length"] == 30.0 and after["n_lengths"] == 3 and after["visits"] == 2
     assert state.observed(2)["k"] == 0 and state.s_hat(2) == 0.01
 
@@ -295,7 +296,8 @@ def test_floor_is_fixed_in_epoch_one_then_frozen_at_p5():
     state.update([50, 50], [1.0, 0.0], [-0.1, -7.0], [5, 5], [True, True])
     state.end_epoch()
     assert state.s_floor == floor and state.epoch == 3  # frozen: the very same value
-    # floor_min keeps a zero p5 from making n_min absorbing ([rec] 5).
+    # floor_min (our option; the default 0 is the paper's behaviour) keeps a zero p5 from
+    # making n_min absorbing.
     state = PromptState(floor_min=0.5)
     state.update([0, 0], [0.0, 0.0], [-1.0, -2.0], [5, 5], [True, True])
     state.end_epoch()
@@ -673,7 +675,8 @@ def _toy_trajectories():
 
 
 def _toy_reward(tokens):
-    """1 if MARK appears and the number of x before the first MARK is even (fixed at MARK: A3)."""
+    """1 if MARK appears and the number of x before the first MARK is even (fixed at MARK:
+    Assumption A3 of App. A.2.2)."""
     if MARK not in tokens:
         return 0.0
     return float(tokens[: tokens.index(MARK)].count(X) % 2 == 0)

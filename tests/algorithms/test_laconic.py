@@ -1,4 +1,5 @@
-"""LACONIC against hand-computed values and the digest's section 10 checks (T1-T10)."""
+"""LACONIC (Liu et al., "LACONIC: Length-Aware Constrained Reinforcement Learning for LLM")
+against hand-computed values and our numpy reference runs of the paper's equations."""
 
 import json
 import math
@@ -26,14 +27,16 @@ from rlvr.algorithms.laconic import (
 LMAX = 4096
 
 
-def test_defaults_follow_the_digest():
+def test_defaults():
+    # eta 0.002 is inferred from the paper's eta ablation (Table 6) and lam_max 0.3 is that
+    # ablation's ceiling (Sec. 5.3); lam_init 0 is our choice (Algorithm 1 gives no value).
     assert (DEFAULT_ETA, DEFAULT_LAM_MAX, DEFAULT_LAM_INIT) == (0.002, 0.3, 0.0)
     state = DualState(budget=2000)
     assert (state.eta, state.lam_max, state.lam, state.last_step) == (0.002, 0.3, 0.0, -1)
 
 
 def test_hinge_cost_is_zero_within_budget_and_unclipped_above():
-    # T1, B = 2000: the cost at Lmax is 4096/2000 - 1 = 1.048, not capped at 1.
+    # Eq. 6 by hand, B = 2000: the cost at Lmax is 4096/2000 - 1 = 1.048, not capped at 1.
     np.testing.assert_allclose(
         length_cost([1500, 2000, 3000, 4096], 2000), [0.0, 0.0, 0.5, 1.048], rtol=0, atol=1e-12
     )
@@ -45,7 +48,7 @@ def test_linear_cost_is_signed():
 
 
 def test_lagrangian_reward_and_group_advantages_by_hand():
-    # T2: one group, B = 1000, lambda = 0.1.
+    # By hand: one group, B = 1000, lambda = 0.1.
     r, lens = [1.0, 1.0, 0.0, 0.0], [500, 2000, 800, 3000]
     np.testing.assert_allclose(length_cost(lens, 1000), [0.0, 1.0, 0.0, 2.0])
     ell = lagrangian_rewards(r, lens, 1000, 0.1)
@@ -62,7 +65,7 @@ def test_lagrangian_reward_and_group_advantages_by_hand():
 
 
 def test_tiny_lambda_still_ranks_a_uniform_group_by_excess_length():
-    # T3: scale invariance; eps = 1e-6 against std 0.0005/sqrt(2) shrinks 0.7071 to 0.7051.
+    # Scale invariance; eps = 1e-6 against std 0.0005/sqrt(2) shrinks 0.7071 to 0.7051.
     ell = lagrangian_rewards([1.0, 1.0], [500, 1500], 1000, 0.001)
     np.testing.assert_allclose(ell, [1.0, 0.9995])
     np.testing.assert_allclose(group_advantages(ell, [0, 0]), [0.7051, -0.7051], atol=1e-4)
@@ -73,7 +76,7 @@ def test_tiny_lambda_still_ranks_a_uniform_group_by_excess_length():
 
 @pytest.mark.parametrize("cost", ["hinge", "linear"])
 def test_lambda_zero_is_bitwise_grpo(cost):
-    # T6: same rollouts, lambda = 0 -> identical rewards and advantages, bit for bit.
+    # Same rollouts, lambda = 0 -> identical rewards and advantages, bit for bit.
     rng = np.random.default_rng(0)
     groups = np.repeat(np.arange(16), 8)
     rewards = rng.random(128) * rng.integers(0, 2, 128)
@@ -85,7 +88,8 @@ def test_lambda_zero_is_bitwise_grpo(cost):
 
 
 def test_budget_at_lmax_keeps_lambda_at_zero_so_every_step_is_grpo():
-    # T6, second form: B = Lmax means Lbar <= B always, so the dual never leaves 0.
+    # GRPO equivalence in a second form: B = Lmax means Lbar <= B always, so the dual never
+    # leaves 0.
     rng = np.random.default_rng(1)
     state = DualState(budget=LMAX, eta=0.01)
     for step in range(50):
@@ -98,7 +102,7 @@ def test_budget_at_lmax_keeps_lambda_at_zero_so_every_step_is_grpo():
 
 
 def test_dual_update_arithmetic():
-    # T4 with eta = 0.002, Lambda = 0.3.
+    # Eq. 9 by hand with eta = 0.002, Lambda = 0.3.
     lam = dual_update(0.0, 3000, 2000, 0.002, 0.3)
     assert lam == pytest.approx(0.001, abs=1e-18)
     assert dual_update(lam, 1000, 2000, 0.002, 0.3) == 0.0
@@ -110,7 +114,7 @@ def test_dual_update_arithmetic():
 
 
 def test_dual_invariants_hold_and_a_clipped_cost_dual_would_break_them():
-    # T5: random (lambda, Lbar); the signed violation moves lambda both ways within [0, Lambda].
+    # Random (lambda, Lbar): the signed violation moves lambda both ways within [0, Lambda].
     rng = np.random.default_rng(2)
     budget, eta, lam_max = 1000.0, 0.002, 0.3
     lams = rng.uniform(0, lam_max, 2000)
@@ -147,7 +151,7 @@ def test_lambda_rises_over_budget_pins_at_ceiling_then_decays_to_zero():
 
 
 def test_step_update_is_idempotent_per_step_and_refuses_skips():
-    # T8: a retried step changes lambda once and keeps using the lambda it read first.
+    # A retried step changes lambda once and keeps using the lambda it read first.
     state = DualState(budget=2000)
     assert state.lambda_for_step(0) == 0.0
     first = state.step_update(0, 3000)
@@ -189,7 +193,7 @@ def test_state_dict_round_trip_is_exact_and_resume_reproduces_the_trajectory():
 
 
 def test_safe_ceiling_values_and_errors():
-    # T7 with Lmax = 4096.
+    # The safe ceiling B / (Lmax - B) (Sec. 2.3) with Lmax = 4096.
     for budget, expected in [(1000, 0.3230), (1500, 0.5778), (2000, 0.9542), (550, 0.1551)]:
         assert safe_lambda_ceiling(budget, LMAX) == pytest.approx(expected, abs=5e-5)
     with pytest.raises(ValueError, match="below the max response length"):
@@ -246,7 +250,8 @@ def test_step_metrics_by_hand():
 
 @pytest.mark.parametrize(("eta", "iterations"), [(0.002, 906), (0.02, 87), (0.05, 31)])
 def test_best_response_toy_converges_to_the_fixed_point(eta, iterations):
-    # T9: lambda* = (B/tau) exp(-B/tau) = 2 e^-2, L -> B, reward -> 1 - e^-2.
+    # Exact best response (App. C.1): lambda* = (B/tau) exp(-B/tau) = 2 e^-2, L -> B,
+    # reward -> 1 - e^-2.
     run = simulate_best_response(3000, eta)
     rel = np.abs(run["length"] - 1000) / 1000
     assert int(np.argmax(rel < 0.01)) == iterations
@@ -264,7 +269,8 @@ def test_best_response_toy_large_step_ends_on_the_ceiling():
 
 
 def test_bandit_grpo_with_dual_meets_the_budget():
-    # T10 shortened to 500 steps (the full run's last 500 steps average 1000.0-1000.6).
+    # Our bandit toy shortened to 500 steps (our full 1500-step runs average 1000.0-1000.6 over
+    # their last 500 steps).
     run = simulate_bandit(steps=500, seed=0)
     assert run["batch_length"][:20].mean() > 2500
     assert run["batch_length"][300:].mean() == pytest.approx(1000, rel=0.02)

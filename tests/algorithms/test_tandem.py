@@ -79,7 +79,8 @@ def test_vocabularies_must_match_exactly():
         require_same_vocab({"a": 0}, {"a": 0, "z": 1})
 
 
-# The state machine (digest 2.1), with redraw positions placed by hand
+# The state machine (arXiv:2606.28166, Sec. 3.3 and App. A.1.2), with redraw positions placed by
+# hand
 
 B = frozenset({1})  # token 1 is the only word boundary; 5 is any non-boundary token
 
@@ -338,7 +339,7 @@ def test_p_one_and_p_zero_rollouts():
         assert out.counters.switches == 0
 
 
-# Loss gate (digest 2.3-2.4)
+# Loss gate (Sec. 3.4, Eq. 1: senior-emitted positions only, no correction for junior tokens)
 
 
 def test_authorship_matrix_places_truncates_and_refuses_short_masks():

@@ -1,5 +1,5 @@
 """Teacher-forced scoring (DRO's R3 input) on both generation backends: the batched pass equals a
-naive prefix-by-prefix loop (digest T3), and vLLM prompt log-probs agree with transformers (T9)."""
+naive prefix-by-prefix loop (no off-by-one), and vLLM prompt log-probs agree with transformers."""
 
 import pytest
 import torch

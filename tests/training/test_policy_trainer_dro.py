@@ -1,6 +1,7 @@
-"""PolicyTrainer's DRO loss (digest 2.6, T13) through DeepSpeed: the same gradient as `dro.dro_loss`
-on the whole batch, Dr.GRPO's normaliser shared by micro-batches, truncated rows counted but not
-trained, the KL to the frozen reference, and the 80/20 threshold reported."""
+"""PolicyTrainer's DRO loss (arXiv:2506.13351, Eq. 3 and App. F.2) through DeepSpeed: the same
+gradient as `dro.dro_loss` on the whole batch, Dr.GRPO's normaliser shared by micro-batches,
+truncated rows counted but not trained, the KL to the frozen reference, and the 80/20 threshold
+reported."""
 
 from pathlib import Path
 

@@ -1,5 +1,6 @@
-"""DRO rubric pipeline (digest 2.4, 2.5, T12): writing, validation against the reference,
-regeneration, ungated queries, judging with one retry, the keyword judge and the rubric cache."""
+"""DRO rubric pipeline (arXiv:2506.13351, Sec. 4.1 and App. E): writing, validation against the
+reference, regeneration, ungated queries, judging with one retry, the keyword judge and the rubric
+cache."""
 
 import json
 
