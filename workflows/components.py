@@ -42,9 +42,27 @@ class ControllerClient:
     def update_length_dual(self, step: int, mean_length: float) -> float:
         return self.worker.run("update_length_dual", step, mean_length, step=step)
 
-    def update_duet_state(self, step: int, *args: Any) -> dict[str, Any]:
-        """DUET's state update (`TrainingController.update_duet_state`'s arguments after step)."""
-        return self.worker.run("update_duet_state", step, *args, step=step)
+    def update_duet_state(
+        self,
+        step: int,
+        prompt_ids: list[str],
+        advantages: list[float],
+        logprob_sums: list[float],
+        lengths: list[int],
+        kept: list[bool],
+        epoch_end: bool,
+    ) -> dict[str, Any]:
+        return self.worker.run(
+            "update_duet_state",
+            step,
+            prompt_ids,
+            advantages,
+            logprob_sums,
+            lengths,
+            kept,
+            epoch_end,
+            step=step,
+        )
 
     def observe_step(
         self,

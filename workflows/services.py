@@ -22,6 +22,7 @@ from rlvr.config import Config
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
+from rlvr.tasks.sampler import PromptSampler
 from rlvr.training.rollouts import Rollouts
 from workflows.components import Components, generator_kwargs, torch_threads
 from workflows.workers import FanOut, Worker
@@ -101,8 +102,8 @@ class RunServices:
     test_problems: list[Problem]
     use_actors: bool = True
     committed_metrics: list[dict[str, Any]] = field(default_factory=list)
-    epochs: Any = None
-    """The prompt sampler (`epoch_of(step)`)."""
+    sampler: PromptSampler | None = None
+    """The run's prompt sampler (which step ends a pass over the prompts)."""
     _reference: ReferenceClient | None = None
     _prompt_cache: dict[str, list[int]] = field(default_factory=dict)
 
@@ -184,7 +185,7 @@ class RunServices:
         )
 
     def epoch_ends_after(self, step: int) -> bool:
-        return self.epochs.epoch_of(step + 1) > self.epochs.epoch_of(step)
+        return self.sampler.epoch_of(step + 1) > self.sampler.epoch_of(step)
 
     def history(self) -> list[dict[str, Any]]:
         return self.committed_metrics

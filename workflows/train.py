@@ -81,7 +81,7 @@ class Trainer:
             self.test_problems,
             use_actors=self.use_actors,
             committed_metrics=self.run.read_metrics(),
-            epochs=self.sampler,
+            sampler=self.sampler,
         )
         self.method.start(self.services)
 
