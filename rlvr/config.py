@@ -410,8 +410,19 @@ class DapoConfig(Section):
     )
 
 
-METHODS = ("grpo", "laconic", "duet", "dro", "tandem", "dapo")
-"""The built-in methods (`rlvr.algorithms.method.register` adds more)."""
+OLD_METHOD_SWITCHES = {m: m for m in ("laconic", "duet", "dro", "tandem")} | {
+    "dynamic_sampling": "dapo"
+}
+"""Sections whose `enabled` flag used to switch a method on, and the `algorithm.name` now."""
+
+
+def _old_switch_error(section: str, assign: str) -> str:
+    """What replaced `algorithm.<section>.enabled` (`assign`: '=' for --set, ': ' for YAML)."""
+    method = OLD_METHOD_SWITCHES[section]
+    return (
+        f"algorithm.{section}.enabled: methods are chosen by algorithm.name; "
+        f"write algorithm.name{assign}{method}"
+    )
 
 
 class AlgorithmConfig(Section):
@@ -437,14 +448,10 @@ class AlgorithmConfig(Section):
     @classmethod
     def _no_enable_flags(cls, data: Any) -> Any:
         # Methods used to be switched on by flags; say what replaces them instead of "unknown key".
-        sections = {"dynamic_sampling": "dapo"} | {m: m for m in METHODS}
-        for section, method in sections.items():
+        for section in OLD_METHOD_SWITCHES:
             given = data.get(section) if isinstance(data, dict) else None
             if isinstance(given, dict) and "enabled" in given:
-                raise ValueError(
-                    f"algorithm.{section}.enabled: methods are chosen by algorithm.name; "
-                    f"write algorithm.name: {method}"
-                )
+                raise ValueError(_old_switch_error(section, ": "))
         return data
 
     @model_validator(mode="after")
@@ -813,13 +820,9 @@ def format_validation_error(err: ValidationError) -> str:
 def _unknown_key(dotted: str, path: list[str]) -> str:
     """The error for an unknown key `dotted` of the override `path`; the old per-method switches
     (`algorithm.<method>.enabled`) say what replaced them."""
-    if len(path) == 3 and path[0] == "algorithm" and path[2] == "enabled":
-        method = {"dynamic_sampling": "dapo"}.get(path[1], path[1])
-        if method in METHODS:
-            return (
-                f"{'.'.join(path)}: methods are chosen by algorithm.name; "
-                f"write algorithm.name={method}"
-            )
+    old_switch = path[0] == "algorithm" and path[2:] == ["enabled"]
+    if old_switch and path[1] in OLD_METHOD_SWITCHES:
+        return _old_switch_error(path[1], "=")
     return f"{dotted}: unknown key"
 
 

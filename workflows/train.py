@@ -205,7 +205,7 @@ class Trainer:
             progress = {
                 "step": step,
                 "best_step": best_step,
-                "best_metric": best_metric(self.cfg),
+                "best_metric": self.method.best_metric,
             }
             atomic_write_text(d / "progress.json", json.dumps(progress))
         self.run.prune(self.cfg.run.keep_last, keep={best_step} if best_step is not None else set())
@@ -217,7 +217,7 @@ class Trainer:
         """
         d = self.run.step_dir(step)
         progress = json.loads((d / "progress.json").read_text())
-        key = best_metric(self.cfg)
+        key = self.method.best_metric
         if progress.get("best_metric", key) != key:
             raise ConfigError(
                 f"{self.run.path} picked its best checkpoint by {progress['best_metric']}, "
