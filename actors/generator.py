@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import ray
 import torch
 
 from rlvr.algorithms.duet.stop import StopControllerFactory
@@ -137,3 +138,32 @@ class GeneratorActor:
 
     def close_weight_group(self) -> None:
         self._weight_group = None
+
+    def receive_shared_weights(
+        self, buckets: list[weight_sync.Bucket], rank: Any
+    ) -> dict[str, float]:
+        """Load the weights that ``rank`` (the PolicyActor colocated with this engine, after its
+        `start_share`) hands over bucket by bucket; returns what `receive_weights` returns."""
+        start = time.perf_counter()
+
+        def fetch(bucket: weight_sync.Bucket) -> weight_sync.SharedBuffer:
+            return ray.get(rank.share_bucket.remote(bucket))
+
+        device = weight_sync.local_device()
+        with weight_sync.SharedBucketReceiver(buckets, fetch, device) as received:
+            self.backend.load_weights(received, names=received.names)
+        self.weight_version += 1
+        return {
+            "version": self.weight_version,
+            "transport_s": received.transport_s,
+            "load_s": time.perf_counter() - start - received.transport_s,
+        }
+
+    def sleep(self, level: int) -> None:
+        """Free the engine's device memory while its colocated rank trains (vLLM sleep mode)."""
+        self.backend.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory `sleep` freed: ``tags`` "weights" before a weight load,
+        "kv_cache" before generating (None: both)."""
+        self.backend.wake_up(tags)

@@ -121,3 +121,24 @@ class PolicyActor:
 
     def close_weight_group(self) -> None:
         self._weight_group = self._weight_store = None
+
+    def start_share(self) -> None:
+        """Open this rank's export stream for its colocated engine's `share_bucket` calls."""
+        self._share_stream = iter(self.trainer.iter_export_weights())
+        self._shared: torch.Tensor | None = None
+
+    def share_bucket(self, bucket: weight_sync.Bucket) -> weight_sync.SharedBuffer:
+        """Pack the stream's next ``bucket`` on this rank's device and share it with the engine
+        beside it (`weight_sync.SharedBucketReceiver`); the previous bucket's memory is released,
+        the engine having copied it out before asking for this one."""
+        self._shared = None
+        self._shared = weight_sync.pack(bucket, self._share_stream, self.trainer.device)
+        return weight_sync.share_buffer(self._shared)
+
+    def end_share(self) -> None:
+        """Close the stream; every weight must have been shared."""
+        extra = next(self._share_stream, None)
+        self._share_stream = iter(())
+        self._shared = None
+        if extra is not None:
+            raise ValueError(f"weight stream longer than the plan: {extra[0]} was not shared")

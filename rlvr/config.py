@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlvr.algorithms import dro, duet, laconic
+from rlvr.run.placement import GroupPlan, merge_bundles, plan_placement
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 128)
 
@@ -474,6 +475,10 @@ class VerifierConfig(Section):
     timeout_s: float = Field(5.0, gt=0.0, description="Hard per-item verification timeout.")
 
 
+Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+"""A Ray placement group strategy."""
+
+
 class ResourcesConfig(Section):
     policy_ranks: int = Field(
         1, ge=1, description="Data-parallel DeepSpeed ranks of the policy, one PolicyActor each."
@@ -517,18 +522,89 @@ class ResourcesConfig(Section):
         default_factory=dict,
         description="Custom node resources per generation engine (e.g. {rlvr_rollout: 1}).",
     )
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+    placement_strategy: Strategy = Field(
         "PACK",
         description=(
             "Placement group strategy over the model actors' bundles (one per policy rank, then "
-            "one per engine): STRICT_SPREAD puts each on its own node."
+            "one per engine; with colocate one per pair): STRICT_SPREAD puts each on its own node."
+        ),
+    )
+    policy_strategy: Strategy | None = Field(
+        None,
+        description=(
+            "Set (with or without generator_strategy) to give each role a placement group of its "
+            "own: the policy ranks' strategy (e.g. STRICT_PACK: all ranks on one node)."
+        ),
+    )
+    generator_strategy: Strategy | None = Field(
+        None,
+        description=(
+            "The engines' strategy in a group of their own (e.g. SPREAD); the unset role takes "
+            "placement_strategy."
+        ),
+    )
+    colocate: bool = Field(
+        False,
+        description=(
+            "Policy rank i and engine i share one bundle (one node; on GPUs one device, "
+            "policy_gpus + generator_gpus <= 1): needs policy_ranks == generator_engines x "
+            "generator_tp. Weights then pass rank to engine on the device (sync.transport "
+            "colocated) and, on GPUs, the engine sleeps while its rank trains (engine_sleep)."
+        ),
+    )
+    engine_sleep: Literal["offload", "discard", "off"] = Field(
+        "offload",
+        description=(
+            "Colocated on GPUs, vLLM's sleep mode around every update: offload (level 1: weights "
+            "to host memory, KV cache freed), discard (level 2: both freed; the sync rewrites "
+            "every weight), off. CPU engines never sleep (vLLM's sleep mode needs a GPU)."
         ),
     )
 
+    @model_validator(mode="after")
+    def _check_colocate(self) -> ResourcesConfig:
+        if not self.colocate:
+            return self
+        pairs = self.generator_engines * self.generator_tp
+        if self.policy_ranks != pairs:
+            raise ValueError(
+                f"resources.colocate pairs policy rank i with engine i, so resources.policy_ranks "
+                f"({self.policy_ranks}) must equal generator_engines x generator_tp ({pairs})"
+            )
+        if self.generator_tp != 1:
+            raise ValueError(
+                "resources.colocate: a tensor-parallel engine would span the devices of several "
+                "ranks, which colocation does not place; use generator_tp: 1 (more engines "
+                "scale generation instead)"
+            )
+        if self.policy_strategy is not None or self.generator_strategy is not None:
+            raise ValueError(
+                "resources.colocate puts both roles in one group of pairs; leave "
+                "resources.policy_strategy and generator_strategy unset (use placement_strategy)"
+            )
+        if bool(self.policy_gpus) != bool(self.generator_gpus):
+            raise ValueError(
+                "resources.colocate: policy_gpus and generator_gpus must both be > 0 (sharing a "
+                "device) or both 0 (CPU)"
+            )
+        if self.policy_gpus + self.generator_gpus > 1.0 + 1e-9:
+            raise ValueError(
+                f"resources.colocate: policy_gpus + generator_gpus = "
+                f"{self.policy_gpus + self.generator_gpus:g} asks for more than the one device a "
+                "pair shares (e.g. 0.5 each)"
+            )
+        return self
+
     @property
     def bundles(self) -> int:
-        """Bundles of the run's placement group: one per policy rank and one per engine."""
-        return self.policy_ranks + self.generator_engines
+        """Model actor bundles over all placement groups: one per policy rank and one per engine,
+        or one per pair when colocated."""
+        return self.policy_ranks if self.colocate else self.policy_ranks + self.generator_engines
+
+    @property
+    def engines_sleep(self) -> bool:
+        """Whether engines sleep while their colocated rank trains (GPUs only)."""
+        return self.colocate and self.generator_gpus > 0 and self.engine_sleep != "off"
 
     def policy_bundle(self) -> dict[str, float]:
         """One policy rank's bundle of the run's placement group."""
@@ -564,16 +640,19 @@ def _bundle(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, flo
 class SyncConfig(Section):
     """How new policy weights reach the generation engines after every step."""
 
-    transport: Literal["auto", "object_store", "collective"] = Field(
+    transport: Literal["auto", "object_store", "collective", "colocated"] = Field(
         "auto",
         description=(
             "object_store: one host copy of the weights through Ray's object store; collective: "
             "a bucketed broadcast from policy rank 0 to every engine (gloo on CPU, NCCL on GPU); "
-            "auto: the object store for one engine on CPU, collective otherwise."
+            "colocated (needs resources.colocate): each rank hands its own engine the weights "
+            "bucket by bucket (CUDA IPC on a shared GPU, the node's shared memory on CPU); "
+            "auto: colocated when colocated, else the object store for one engine on CPU, "
+            "collective otherwise."
         ),
     )
     bucket_mb: float = Field(
-        64.0, gt=0.0, description="Bucket size of the collective broadcast, in MiB."
+        64.0, gt=0.0, description="Bucket size of the collective and colocated syncs, in MiB."
     )
 
 
@@ -635,6 +714,11 @@ class Config(Section):
             if warning:
                 warnings.warn(f"algorithm.laconic.lam_max: {warning}", stacklevel=2)
         self._check_tensor_parallel()
+        if self.sync.transport == "colocated" and not self.resources.colocate:
+            raise ValueError(
+                "sync.transport: colocated hands weights from each policy rank to the engine "
+                "beside it; set resources.colocate: true or pick another transport"
+            )
         if method == "duet":
             self._check_duet()
         if method == "dro":
@@ -783,20 +867,45 @@ class Config(Section):
                 )
         if not strict_placement:
             return
-        if r.placement_strategy == "STRICT_SPREAD" and r.bundles > len(nodes):
-            raise ConfigError(
-                f"invalid config: resources.placement_strategy: STRICT_SPREAD puts each of the "
-                f"{r.bundles} model actors (resources.policy_ranks + generator_engines) on its own "
-                f"node, but the cluster has {len(nodes)}"
-            )
-        if r.placement_strategy == "STRICT_PACK":
-            model_need = r.demand(verifiers=False)
-            if not any(
-                all(node.get(k, 0.0) + 1e-9 >= v for k, v in model_need.items()) for node in nodes
-            ):
+        for group in plan_placement(r).groups:
+            self._check_group(group, nodes)
+
+    def _check_group(self, group: GroupPlan, nodes: list[dict[str, float]]) -> None:
+        """One placement group against the nodes: every bundle fits some node, STRICT_SPREAD has a
+        node per bundle, STRICT_PACK a node for all of them."""
+        key = {"policy": "policy_strategy", "generator": "generator_strategy"}.get(
+            group.role, "placement_strategy"
+        )
+        key = f"resources.{key}"
+
+        def fits(need: dict[str, float], node: dict[str, float]) -> bool:
+            return all(node.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
+
+        actors = {
+            "models": "model actors (resources.policy_ranks + generator_engines)",
+            "policy": "policy ranks (resources.policy_ranks)",
+            "generator": "engines (resources.generator_engines)",
+            "colocated": "rank + engine pairs (resources.policy_ranks)",
+        }[group.role]
+        for bundle in group.bundles:
+            if not any(fits(bundle, node) for node in nodes):
                 raise ConfigError(
-                    "invalid config: resources.placement_strategy: STRICT_PACK puts every model "
-                    f"actor on one node, and no node has {model_need}"
+                    f"invalid config: resources: no node has {bundle}, the bundle of one of the "
+                    f"{actors}"
+                )
+        if group.strategy == "STRICT_SPREAD" and len(group.bundles) > len(nodes):
+            raise ConfigError(
+                f"invalid config: {key}: STRICT_SPREAD puts each of the {len(group.bundles)} "
+                f"{actors} on its own node, but the cluster has {len(nodes)}"
+            )
+        if group.strategy == "STRICT_PACK":
+            need: dict[str, float] = {}
+            for bundle in group.bundles:
+                need = merge_bundles(need, bundle)
+            if not any(fits(need, node) for node in nodes):
+                raise ConfigError(
+                    f"invalid config: {key}: STRICT_PACK puts all {actors} on one node, and no "
+                    f"node has {need}"
                 )
 
     def to_dict(self) -> dict[str, Any]:

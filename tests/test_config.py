@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from rlvr.config import ConfigError, check_model_for_backend, config_from_dict, load_config
+from rlvr.run.placement import plan_placement
 from rlvr.tasks import load_task
 
 TRAIN_CONFIGS = sorted(
@@ -113,7 +114,23 @@ def test_more_actor_cpus_than_available():
         (
             ["resources.placement_strategy=STRICT_PACK"],
             [{"CPU": 1}, {"CPU": 1}],
-            r"STRICT_PACK puts every model actor on one node",
+            r"placement_strategy: STRICT_PACK puts all model actors .* on one node",
+        ),
+        (
+            ["resources.policy_ranks=2", "resources.policy_strategy=STRICT_PACK"],
+            [{"CPU": 1.5}, {"CPU": 1.5}],
+            r"resources.policy_strategy: STRICT_PACK puts all policy ranks .* no node has "
+            r"\{'CPU': 2.0\}",
+        ),
+        (
+            ["resources.generator_engines=3", "resources.generator_strategy=STRICT_SPREAD"],
+            [{"CPU": 4}, {"CPU": 4}],
+            r"resources.generator_strategy: STRICT_SPREAD puts each of the 3 engines",
+        ),
+        (
+            ["resources.colocate=true", "resources.policy_cpus=2", "resources.generator_cpus=2"],
+            [{"CPU": 2}, {"CPU": 2}],
+            r"no node has \{'CPU': 4.0\}, the bundle of one of the rank \+ engine pairs",
         ),
     ],
 )
@@ -132,6 +149,75 @@ def test_layouts_that_fit():
     load_config(None, roles).check_cluster(
         [{"CPU": 2, "rlvr_train": 1}, {"CPU": 2, "rlvr_rollout": 1}]
     )
+
+
+def test_gpu_presets_fit_the_clusters_they_name():
+    """The one-node presets fill one 8-GPU node; the two-node preset needs a node per role."""
+    configs = Path(__file__).parent.parent / "configs"
+    node = {"CPU": 32, "GPU": 8}
+    load_config(configs / "smollm2-gpu-node.yaml").check_cluster([node])
+    colocated = load_config(configs / "smollm2-gpu-colocated.yaml")
+    colocated.check_cluster([node])
+    assert plan_placement(colocated.resources).groups[0].bundles[0]["GPU"] == 1.0
+    two = load_config(configs / "smollm2-gpu-2nodes.yaml")
+    two.check_cluster([{**node, "rlvr_train": 8}, {**node, "rlvr_rollout": 8}])
+    with pytest.raises(ConfigError, match="rlvr_rollout"):
+        two.check_cluster([{"CPU": 64, "GPU": 16, "rlvr_train": 8}])
+
+
+def test_placement_plans():
+    """One group of every model actor, a group per role, or one bundle per colocated pair."""
+    one = plan_placement(load_config(None, ["resources.policy_ranks=2"]).resources)
+    assert [(g.role, g.strategy, len(g.bundles)) for g in one.groups] == [("models", "PACK", 3)]
+    assert (one.policy, one.generator) == (((0, 0), (0, 1)), ((0, 2),))
+    per_role = load_config(
+        None, ["resources.generator_engines=2", "resources.generator_strategy=SPREAD"]
+    )
+    plan = plan_placement(per_role.resources)
+    assert [(g.role, g.strategy, len(g.bundles)) for g in plan.groups] == [
+        ("policy", "PACK", 1),
+        ("generator", "SPREAD", 2),
+    ]
+    assert (plan.policy, plan.generator) == (((0, 0),), ((1, 0), (1, 1)))
+    gpus = [f"resources.{k}={v}" for k, v in [("policy_gpus", 0.5), ("generator_gpus", 0.5)]]
+    colocated = load_config(
+        None,
+        ["resources.colocate=true", "resources.policy_ranks=2", "resources.generator_engines=2"]
+        + gpus,
+    )
+    plan = plan_placement(colocated.resources)
+    assert plan.groups[0].bundles == ({"CPU": 2.0, "GPU": 1.0},) * 2
+    assert plan.policy == plan.generator == ((0, 0), (0, 1))
+    assert colocated.resources.engines_sleep
+    colocated.check_cluster([{"CPU": 4, "GPU": 2}])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["resources.policy_ranks=2"], r"policy_ranks \(2\) must equal generator_engines x"),
+        (
+            ["resources.policy_ranks=2", "resources.generator_tp=2"],
+            r"tensor-parallel engine would span the devices of several ranks",
+        ),
+        (["resources.policy_strategy=PACK"], r"leave resources.policy_strategy and generator_"),
+        (["resources.policy_gpus=1"], r"policy_gpus and generator_gpus must both be > 0"),
+        (
+            ["resources.policy_gpus=1", "resources.generator_gpus=0.5"],
+            r"policy_gpus \+ generator_gpus = 1.5 asks for more than the one device",
+        ),
+    ],
+)
+def test_impossible_colocations_fail_naming_the_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["resources.colocate=true", *overrides])
+
+
+def test_colocated_transport_needs_colocation():
+    with pytest.raises(ConfigError, match=r"sync.transport: colocated .* resources.colocate"):
+        load_config(None, ["sync.transport=colocated"])
+    cpu = load_config(None, ["resources.colocate=true", "sync.transport=colocated"])
+    assert not cpu.resources.engines_sleep  # vLLM's sleep mode needs a GPU
 
 
 def test_laconic_defaults_and_dual_kwargs():

@@ -1,4 +1,5 @@
-"""Start the long-lived workers of a run: as Ray actors in one placement group, or in-process.
+"""Start the long-lived workers of a run: as Ray actors in the run's placement groups
+(`rlvr.run.placement`), or in-process.
 
 The in-process mode uses the very same classes; it exists for the actor-overhead benchmark and for
 debugging, never as the default.
@@ -21,6 +22,7 @@ from actors.policy import PolicyActor
 from actors.verifier import VerifierActor, VerifierPool
 from rlvr.algorithms.method import build_method
 from rlvr.config import Config
+from rlvr.run.placement import PlacementPlan, plan_placement
 from workflows.generator_pool import GeneratorPool
 from workflows.policy_group import PolicyGroup, rank_environments
 from workflows.weight_sync import WeightSync, make_weight_sync
@@ -90,8 +92,9 @@ class Components:
     """VerifierPool (actors) or VerifierActor (in-process); both expose `score`."""
     controller: ControllerClient
     sync: WeightSync
-    layout: dict[str, dict[str, str]] = field(default_factory=dict)
-    """Per model actor ("PolicyActor 0", "GeneratorActor 1"), the node it runs on."""
+    layout: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per model actor ("PolicyActor 0", "GeneratorActor 1"), the node, placement group and
+    bundle it runs in."""
     _cleanup: list = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -159,14 +162,23 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         )
         if cfg.resources.generator_tp > 1:
             kw["tensor_parallel_size"] = cfg.resources.generator_tp
+        if sleep_level(cfg) is not None:
+            kw["enable_sleep_mode"] = True
     kw.update(build_method(cfg).generator_settings(model_dir))
     kw["threads"] = torch_threads(cfg, cfg.resources.generator_engines)
     return kw
 
 
+def sleep_level(cfg: Config) -> int | None:
+    """vLLM's sleep level for engines colocated with their ranks on GPUs, else None."""
+    if not cfg.resources.engines_sleep or cfg.generation.backend != "vllm":
+        return None
+    return {"offload": 1, "discard": 2}[cfg.resources.engine_sleep]
+
+
 def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> Components:
     """The run's workers: `resources.policy_ranks` PolicyActors and `resources.generator_engines`
-    GeneratorActors in one placement group (in-process: one of each), the controller, the verifier
+    GeneratorActors in the run's placement groups (in-process: one of each), the controller, the verifier
     pool, and the weight sync between policy and engines (`sync.transport`)."""
     mini_batches = cfg.training.mini_batches
     if not use_actors:
@@ -192,23 +204,17 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         )
 
     r = cfg.resources
-    bundles = [r.policy_bundle()] * r.policy_ranks + [r.generator_bundle()] * r.generator_engines
-    pg = placement_group(bundles, strategy=r.placement_strategy, name=f"rlvr-{cfg.run.name}")
-    try:
-        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise RuntimeError(
-            f"the cluster cannot place the actors' bundles {bundles} "
-            f"({r.placement_strategy}) within {PLACEMENT_TIMEOUT_S:.0f}s; "
-            f"available: {ray.available_resources()}"
-        ) from None
+    plan = plan_placement(r)
+    groups = place_groups(cfg.run.name, plan)
     handles: list[Any] = []
 
-    def model_actor(cls: type, name: str, bundle: int, cpus: float, gpus: float, kwargs: dict):
-        """A model-owning actor pinned to its bundle of the run's placement group."""
+    def model_actor(
+        cls: type, name: str, where: tuple[int, int], cpus: float, gpus: float, kwargs: dict
+    ):
+        """A model-owning actor pinned to its bundle of the run's placement groups."""
+        group, bundle = where
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=bundle
+            placement_group=groups[group], placement_group_bundle_index=bundle
         )
         handle = (
             ray.remote(cls)
@@ -230,14 +236,16 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
             model_actor(
                 PolicyActor,
                 "policy" if ranks == 1 else f"policy-{rank}",
-                rank,
+                plan.policy[rank],
                 r.policy_cpus,
                 r.policy_gpus,
                 {**policy_kwargs(cfg, model_dir), "distributed": env},
             ),
             "PolicyActor" if ranks == 1 else f"PolicyActor {rank}",
         )
-        for rank, env in enumerate(rank_environments(ranks, pg, bundle=0))
+        for rank, env in enumerate(
+            rank_environments(ranks, groups[plan.policy[0][0]], plan.policy[0][1])
+        )
     ]
     engines = r.generator_engines
     generator_workers = [
@@ -245,7 +253,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
             model_actor(
                 GeneratorActor,
                 "generator" if engines == 1 else f"generator-{i}",
-                ranks + i,
+                plan.generator[i],
                 r.generator_cpus,
                 r.generator_gpus,
                 generator_kwargs(cfg, model_dir),
@@ -273,10 +281,11 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         verifier.shutdown()
         for handle in handles:
             ray.kill(handle, no_restart=True)
-        remove_placement_group(pg)
+        for group in groups:
+            remove_placement_group(group)
 
     policy = PolicyGroup(policy_workers, mini_batches)
-    generator = GeneratorPool(generator_workers)
+    generator = GeneratorPool(generator_workers, sleep_level(cfg))
     try:
         # Wait for the model actors to finish loading so a bad model fails here, named, not
         # mid-step.
@@ -292,20 +301,48 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         verifier=verifier,
         controller=ControllerClient(Worker(controller, "ControllerActor")),
         sync=sync,
-        layout=placement_layout(pg, ranks, engines),
+        layout=placement_layout(groups, plan),
     )
     comps._cleanup.append(cleanup)
     comps._cleanup.append(sync.close)
     return comps
 
 
-def placement_layout(pg: PlacementGroup, ranks: int, engines: int) -> dict[str, dict[str, str]]:
-    """Where the placement group put each model actor (bundle i holds rank i, then the engines)."""
-    nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+def place_groups(run_name: str, plan: PlacementPlan) -> list[PlacementGroup]:
+    """Ask Ray for the plan's placement groups and wait until all are placed; a layout the
+    cluster cannot hold fails naming its bundles, with nothing left reserved."""
+    groups = [
+        placement_group(list(g.bundles), strategy=g.strategy, name=f"rlvr-{run_name}-{g.role}")
+        for g in plan.groups
+    ]
+    try:
+        ray.get([g.ready() for g in groups], timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        for group in groups:
+            remove_placement_group(group)
+        asked = "; ".join(f"{g.role}: {list(g.bundles)} ({g.strategy})" for g in plan.groups)
+        raise RuntimeError(
+            f"the cluster cannot place the actors' bundles ({asked}) within "
+            f"{PLACEMENT_TIMEOUT_S:.0f}s; available: {ray.available_resources()}"
+        ) from None
+    return groups
+
+
+def placement_layout(
+    groups: list[PlacementGroup], plan: PlacementPlan
+) -> dict[str, dict[str, Any]]:
+    """Where the placement groups put each model actor: its node, group and bundle."""
+    nodes = [ray.util.placement_group_table(g)["bundles_to_node_id"] for g in groups]
     addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    names = [f"PolicyActor {r}" for r in range(ranks)]
-    names += [f"GeneratorActor {i}" for i in range(engines)]
-    return {
-        name: {"node_id": nodes[b], "node_ip": addresses.get(nodes[b], "")}
-        for b, name in enumerate(names)
-    }
+    members = [(f"PolicyActor {r}", where) for r, where in enumerate(plan.policy)]
+    members += [(f"GeneratorActor {i}", where) for i, where in enumerate(plan.generator)]
+    out = {}
+    for name, (group, bundle) in members:
+        node = nodes[group][bundle]
+        out[name] = {
+            "node_id": node,
+            "node_ip": addresses.get(node, ""),
+            "group": plan.groups[group].role,
+            "bundle": bundle,
+        }
+    return out

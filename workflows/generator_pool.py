@@ -49,12 +49,16 @@ class GeneratorPool:
 
     name = "GeneratorPool"
 
-    def __init__(self, workers: list[Worker]) -> None:
+    def __init__(self, workers: list[Worker], sleep_level: int | None = None) -> None:
+        """`sleep_level`: vLLM's sleep level while colocated ranks train (None: never sleep)."""
         names = [w.name for w in workers]
         if not workers or len(set(names)) != len(names):
             raise ValueError(f"a GeneratorPool needs engines with distinct names, got {names}")
         self.workers = list(workers)
         self.weight_version = 0
+        self.sleep_level = sleep_level
+        self.asleep: set[str] = set()
+        """What the engines have freed and not taken back ("weights", "kv_cache")."""
         self._methods: dict[str, Callable[..., FanOut]] = {
             "generate": self._generate,
             "score_logprobs": self._score_logprobs,
@@ -97,6 +101,22 @@ class GeneratorPool:
     ) -> FanOut:
         """Teacher-forced log-probs at `positions` under the engines' weights (in flight)."""
         return self.call("score_logprobs", sequences, positions)
+
+    def sleep(self, step: int | None = None) -> None:
+        """Free the engines' device memory for their colocated ranks' update (no-op unless the
+        pool was given a sleep level)."""
+        if self.sleep_level is None or self.asleep:
+            return
+        FanOut([(w, w.call("sleep", self.sleep_level)) for w in self.workers]).result(step)
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake(self, tag: str, step: int | None = None) -> None:
+        """Take back the memory `sleep` freed under ``tag``: "weights" before a weight load (so
+        the KV cache is not yet competing with the sync), then "kv_cache" before generating."""
+        if tag not in self.asleep:
+            return
+        FanOut([(w, w.call("wake_up", [tag])) for w in self.workers]).result(step)
+        self.asleep.discard(tag)
 
     def stats(self) -> dict[str, Any]:
         """The engines' token and time counters, summed, with each engine's beside them."""

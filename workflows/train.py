@@ -173,6 +173,7 @@ class Trainer:
             log.warning("step %d: no rollout carries a loss token; the update is skipped", step)
             return {"skipped": 1, "logprob_sums": [0.0] * rows}
         kept = rows_that_train(batch, self.cfg.training.loss_agg, method.trains_every_row)
+        self.comps.generator.sleep(step)  # colocated on GPUs: the rank takes the device
         stats = self.comps.policy.train_step(
             batch if len(kept) == len(batch) else batch.select(kept),
             logprob_sums=method.needs_logprob_sums,
@@ -187,8 +188,12 @@ class Trainer:
         return stats
 
     def sync_weights(self, step: int | None = None) -> None:
-        """Push the policy's current weights into every engine without restarting them."""
+        """Push the policy's current weights into every engine without restarting them (a
+        sleeping colocated engine takes back its weights' memory first, its KV cache after)."""
+        generator = self.comps.generator
+        generator.wake("weights", step)
         self.comps.sync.push(step)
+        generator.wake("kv_cache", step)
 
     def persist(self, step: int, metrics: dict[str, Any], best_step: int | None) -> None:
         """Commit step `step`: its log lines, then policy + optimizer and controller state.
@@ -312,7 +317,8 @@ def train(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     comps = start_components(cfg, model_dir, use_actors=use_actors)
     if comps.layout:
-        atomic_write_text(run.path / "layout.json", json.dumps(comps.layout, indent=1))
+        layout = {"actors": comps.layout, "weight_sync": comps.sync.transport}
+        atomic_write_text(run.path / "layout.json", json.dumps(layout, indent=1))
     try:
         trainer = Trainer(
             cfg,

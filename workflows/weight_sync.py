@@ -1,12 +1,14 @@
 """How the policy's new weights reach every generation engine after a step (`sync.transport`).
 
-`ObjectStoreSync`: policy rank 0 exports the merged weights once, Ray's object store holds that one
-copy and every engine loads it; a full host copy of the model per sync, fine for a small model and
-one CPU engine. `CollectiveSync`: a process group of policy rank 0 and the engines
+`ObjectStoreSync`: policy rank 0 exports the merged weights once, Ray's object store holds that
+one copy and every engine loads it; a full host copy of the model per sync, fine for a small model
+and one CPU engine. `CollectiveSync`: a process group of policy rank 0 and the engines
 (`rlvr.training.weight_sync`), opened once; every push streams the weights in buckets of
 `sync.bucket_mb`, in the engines' dtype, so no process holds more than a bucket beyond its model.
+`ColocatedSync` (`resources.colocate`): each policy rank hands the engine beside it the same
+buckets on their shared device (CUDA IPC on a GPU).
 
-Both drive ``policy.workers`` (policy ranks, rank 0 first: a PolicyGroup's) and
+All drive ``policy.workers`` (policy ranks, rank 0 first: a PolicyGroup's) and
 ``generator.workers`` (engines, engine 0 first: a GeneratorPool's), and after a push set
 ``generator.weight_version``, which the pool sends with every generate.
 """
@@ -31,6 +33,9 @@ FAILURE_GRACE_S = 10.0
 
 
 class WeightSync(Protocol):
+    transport: str
+    """The `sync.transport` it implements."""
+
     def push(self, step: int | None = None) -> int:
         """Load the policy's current weights into every engine; returns their new weight version."""
         ...
@@ -41,6 +46,8 @@ class WeightSync(Protocol):
 class ObjectStoreSync:
     """Rank 0's export (every rank joins its ZeRO-3 gathers) goes to every engine by reference:
     the object store holds it once and the driver never fetches it."""
+
+    transport = "object_store"
 
     def __init__(self, policy: Any, generator: Any) -> None:
         self.policy = policy
@@ -69,6 +76,8 @@ class CollectiveSync:
     `receive_weights`, concurrently, over one bucket plan made here from rank 0's manifest. A
     failed push names every member that failed and leaves the group unusable: later pushes raise.
     """
+
+    transport = "collective"
 
     def __init__(
         self,
@@ -122,19 +131,64 @@ class CollectiveSync:
                 worker.get(future)
 
 
+class ColocatedSync:
+    """Policy rank i hands engine i (placed in its bundle: `resources.colocate`) the merged
+    weights bucket by bucket, all pairs at once: CUDA IPC on a shared GPU, the node's shared
+    memory on CPU (`rlvr.training.weight_sync.SharedBucketReceiver`).
+
+    Every rank exports (under ZeRO-3 all join each gather anyway), so no weight crosses between
+    nodes or devices, and each engine pulls the next bucket from its rank when its loader asks.
+    """
+
+    transport = "colocated"
+
+    def __init__(self, policy: Any, generator: Any, dtype: torch.dtype, bucket_bytes: int) -> None:
+        ranks, engines = policy.workers, generator.workers
+        if len(ranks) != len(engines) or not all(w.is_actor for w in [*ranks, *engines]):
+            raise ValueError(
+                "a colocated weight sync pairs each policy rank with one engine, all Ray actors "
+                f"(got {len(ranks)} ranks and {len(engines)} engines)"
+            )
+        self.policy = policy
+        self.generator = generator
+        manifest = ranks[0].run("weight_manifest")
+        self.buckets = plan_buckets(manifest, dtype, bucket_bytes)
+
+    def push(self, step: int | None = None) -> int:
+        ranks = _labelled(self.policy.workers)
+        engines = _labelled(self.generator.workers)
+        _resolve([(*rank, rank[1].call("start_share")) for rank in ranks], step)
+        calls = [
+            (*engine, engine[1].call("receive_shared_weights", self.buckets, rank[1].target))
+            for rank, engine in zip(ranks, engines, strict=True)
+        ]
+        results = _resolve(calls, step)
+        _resolve([(*rank, rank[1].call("end_share")) for rank in ranks], step)
+        return _adopt_version(self.generator, [r["version"] for r in results])
+
+    def close(self) -> None:
+        """Nothing to release: each push opens and closes its streams."""
+
+
 def make_weight_sync(cfg: Config, policy: Any, generator: Any) -> WeightSync:
-    """The sync `cfg.sync.transport` names; "auto" is the object store for one engine without
-    GPUs (or in-process workers) and the collective broadcast otherwise."""
+    """The sync `cfg.sync.transport` names; "auto" is the colocated hand-over when ranks and
+    engines are colocated, the object store for one engine without GPUs (or in-process workers)
+    and the collective broadcast otherwise."""
     transport = cfg.sync.transport
     actors = all(w.is_actor for w in [*policy.workers, *generator.workers])
     if transport == "auto":
         gpus = cfg.resources.policy_gpus > 0 or cfg.resources.generator_gpus > 0
         collective = actors and (len(generator.workers) > 1 or gpus)
         transport = "collective" if collective else "object_store"
+        if actors and cfg.resources.colocate:
+            transport = "colocated"
     if transport == "object_store":
         return ObjectStoreSync(policy, generator)
     bucket_bytes = int(cfg.sync.bucket_mb * 2**20)
-    return CollectiveSync(policy, generator, getattr(torch, cfg.model.dtype), bucket_bytes)
+    dtype = getattr(torch, cfg.model.dtype)
+    if transport == "colocated":
+        return ColocatedSync(policy, generator, dtype, bucket_bytes)
+    return CollectiveSync(policy, generator, dtype, bucket_bytes)
 
 
 def _labelled(workers: Sequence[Worker]) -> list[tuple[str, Worker]]:

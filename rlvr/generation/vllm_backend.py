@@ -383,6 +383,15 @@ class VLLMBackend:
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
 
+    def sleep(self, level: int) -> None:
+        """vLLM sleep mode (the engine must be started with ``enable_sleep_mode=True``, on a GPU):
+        level 1 moves the weights to host memory and frees the KV cache, level 2 frees both."""
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocate what `sleep` freed (``tags``: "weights", "kv_cache"; None: all)."""
+        self.llm.wake_up(tags=tags)
+
     def close(self) -> None:
         """Shut the engine down and free its memory (always call it: see below).
 

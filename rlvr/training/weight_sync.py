@@ -1,4 +1,4 @@
-"""Bucketed broadcast of the policy's weights from policy rank 0 to the generation engines.
+"""Bucketed weight transfer from the policy to the generation engines: broadcast and hand-over.
 
 The weights travel over a process group of their own (rank 0: the policy's rank 0; ranks 1..M: the
 engines), built from a `torch.distributed.TCPStore` and never touching the default process group,
@@ -7,13 +7,18 @@ GPUs, one code path. One `Bucket` plan, cut from the sender's manifest of (name,
 goes to both sides; each bucket is one flat buffer in the engines' dtype, so memory holds one
 bucket at a time (and the tensor in hand), never the model: the sender packs from a stream of
 exported tensors and the receiver hands each bucket's tensors to the loader as it asks for them.
+
+Colocated (policy rank i and engine i on one device), the same buckets pass by hand-over instead
+(`share_buffer`, `SharedBucketReceiver`): each rank packs a bucket and shares it, a CUDA IPC
+handle on a GPU (the engine maps the rank's memory, no host copy) or the tensor itself on CPU
+(Ray's shared memory on the node), and the engine copies it out before asking for the next.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
 from types import TracebackType
@@ -240,6 +245,105 @@ class BucketReceiver:
         return self._stream
 
     def __enter__(self) -> BucketReceiver:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for _ in self._stream:
+            pass
+
+
+@dataclass(frozen=True)
+class SharedBuffer:
+    """A packed bucket one process hands to another on the same device: a CUDA IPC handle
+    (`rebuild` and its arguments, and the device's UUID to check it is the same device), or on
+    CPU the tensor itself."""
+
+    tensor: torch.Tensor | None = None
+    rebuild: Callable[..., torch.Tensor] | None = None
+    args: tuple = ()
+    device_uuid: str = ""
+
+
+_IPC_DEVICE_ARG = 6
+"""Position of the storage's device index in `rebuild_cuda_tensor`'s arguments."""
+
+
+def _device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def share_buffer(buffer: torch.Tensor) -> SharedBuffer:
+    """What another process on this device needs to read ``buffer``; the caller keeps ``buffer``
+    alive until the reader has copied it out."""
+    if buffer.device.type != "cuda":
+        return SharedBuffer(tensor=buffer)
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(buffer)
+    return SharedBuffer(rebuild=rebuild, args=tuple(args), device_uuid=_device_uuid(buffer.device))
+
+
+def open_shared(shared: SharedBuffer, device: torch.device) -> torch.Tensor:
+    """The sender's buffer, read in place: on CUDA mapped by IPC onto ``device``, which must be
+    the sender's device (colocated actors see it under their own index)."""
+    if shared.tensor is not None:
+        return shared.tensor
+    if device.type != "cuda" or _device_uuid(device) != shared.device_uuid:
+        raise RuntimeError(
+            f"a CUDA IPC bucket from device {shared.device_uuid} cannot be opened on {device}: "
+            "a colocated engine must share its policy rank's GPU"
+        )
+    args = list(shared.args)
+    args[_IPC_DEVICE_ARG] = device.index
+    return shared.rebuild(*args)
+
+
+class SharedBucketReceiver:
+    """An engine's stream of its colocated rank's weights: ``fetch(bucket)`` asks the rank to
+    pack and share the next bucket (`share_buffer`); each is copied into this process's own
+    buffer at once, so the rank may reuse its memory for the next. Like `BucketReceiver`, leaving
+    the context fetches whatever the loader did not ask for: under ZeRO-3 every rank's export
+    joins collective gathers, so each rank must run its stream to the end."""
+
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        fetch: Callable[[Bucket], SharedBuffer],
+        device: torch.device,
+    ) -> None:
+        self.buckets = list(buckets)
+        self.fetch = fetch
+        self.device = device
+        self.transport_s = 0.0
+        self._stream = self._receive()
+
+    @property
+    def names(self) -> list[str]:
+        return [spec.name for bucket in self.buckets for spec in bucket.specs]
+
+    def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.buckets:
+            start = time.perf_counter()
+            shared = open_shared(self.fetch(bucket), self.device)
+            if shared.numel() != bucket.numel or shared.dtype != bucket.dtype:
+                raise ValueError(
+                    f"shared bucket of {shared.numel()} {shared.dtype} does not match the plan's "
+                    f"{bucket.numel} {bucket.dtype}"
+                )
+            buffer = shared.to(self.device, copy=True)
+            del shared
+            self.transport_s += time.perf_counter() - start
+            yield from unpack(bucket, buffer)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._stream
+
+    def __enter__(self) -> SharedBucketReceiver:
         return self
 
     def __exit__(

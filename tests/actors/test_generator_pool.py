@@ -164,3 +164,37 @@ def test_a_step_never_mixes_weight_versions(engines, tiny_model_dir):
     assert stats["weight_version"] == 3
     assert stats["tokens"] == sum(e["tokens"] for e in stats["engines"])
     assert len(pool.run("generate", requests, params)) == 2
+
+
+class SleepRecorder:
+    """Stands in for a GPU engine's sleep mode, which vLLM offers only on GPUs: records calls."""
+
+    def __init__(self, calls: list[tuple]) -> None:
+        self.calls = calls
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.calls.append(("wake_up", tags))
+
+
+def test_colocated_engines_sleep_once_and_wake_weights_before_kv_cache():
+    calls: list[tuple] = []
+    pool = GeneratorPool(
+        [Worker(SleepRecorder(calls), f"GeneratorActor {i}") for i in range(2)], sleep_level=1
+    )
+    pool.wake("weights")  # awake: nothing to take back
+    pool.sleep()
+    pool.sleep()  # already asleep (an update skipped its sync): one sleep
+    pool.wake("weights")
+    pool.wake("kv_cache")
+    pool.wake("kv_cache")
+    assert (
+        calls
+        == [("sleep", 1)] * 2 + [("wake_up", ["weights"])] * 2 + [("wake_up", ["kv_cache"])] * 2
+    )
+    never = GeneratorPool([Worker(SleepRecorder(calls := []), "GeneratorActor")])
+    never.sleep()
+    never.wake("weights")
+    assert calls == []

@@ -1,7 +1,8 @@
 """Weight sync over real actors: a trained PolicyActor and two vLLM GeneratorActors on the tiny model.
 
-The collective broadcast (buckets smaller than the largest tensor, 1 rank and 2 ZeRO-3 LoRA ranks)
-and the object store leave the engines in the same state, the policy's; a dead engine is named.
+The collective broadcast (buckets smaller than the largest tensor, 1 rank and 2 ZeRO-3 LoRA ranks),
+the colocated hand-over (each of 2 ranks to its own engine) and the object store leave the engines
+in the same state, the policy's; a dead engine is named.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from rlvr.config import load_config
 from rlvr.models.tiny import build_tiny_model
 from rlvr.training.batch import build_batch
 from workflows.policy_group import PolicyGroup, rank_environments
-from workflows.weight_sync import CollectiveSync, ObjectStoreSync, make_weight_sync
+from workflows.weight_sync import CollectiveSync, ColocatedSync, ObjectStoreSync, make_weight_sync
 from workflows.workers import ActorFailure, Worker
 
 pytestmark = pytest.mark.ray
@@ -129,12 +130,31 @@ def test_collective_and_object_store_sync_load_the_same_weights(policy, engines)
         collective.close()
 
 
-def test_zero3_lora_ranks_all_join_the_broadcast(model_dir, engines):
+def test_zero3_lora_ranks_all_join_the_broadcast_or_hand_over_to_their_engine(model_dir, engines):
+    """Two ZeRO-3 LoRA ranks: the broadcast from rank 0, then each rank handing its own engine
+    the buckets (colocated), leave the engines holding the policy's weights; the hand-over
+    loads exactly what the object store loads."""
     lora = {"enabled": True, "r": 4, "alpha": 8}
     group, handles = _policy(model_dir, 2, zero_stage=3, lora=lora, lr=2e-2)
     collective = CollectiveSync(group, engines, torch.float32, BUCKET_BYTES, TIMEOUT_S)
+    colocated_cfg = load_config(
+        None,
+        [
+            "resources.colocate=true",
+            "resources.policy_ranks=2",
+            "resources.generator_engines=2",
+            f"sync.bucket_mb={BUCKET_MB}",
+        ],
+    )
     try:
         _assert_engines_follow(group, engines, collective.push)
+        handover = make_weight_sync(colocated_cfg, group, engines)
+        assert isinstance(handover, ColocatedSync)  # "auto" when colocated
+        assert max(b.nbytes for b in handover.buckets) > BUCKET_BYTES
+        by_handover = _assert_engines_follow(group, engines, lambda: handover.push(step=3))
+        ObjectStoreSync(group, engines).push(step=3)
+        for got, want in zip(_engine_scores(engines), by_handover, strict=True):
+            assert torch.equal(got, want)
     finally:
         collective.close()
         for h in handles:

@@ -59,7 +59,7 @@ def test_policy_and_generator_on_two_nodes_run_kill_resume(
         assert proc.poll() is None, proc.stdout.read()[-4000:]
         assert time.monotonic() < deadline
         time.sleep(0.5)
-    layout = json.loads((run / "layout.json").read_text())
+    layout = json.loads((run / "layout.json").read_text())["actors"]
     assert layout["PolicyActor 0"]["node_id"] == head
     assert layout["GeneratorActor 0"]["node_id"] == rollout
     proc.send_signal(signal.SIGKILL)
