@@ -156,6 +156,15 @@ class TrainingConfig(Section):
     micro_batch_size: int = Field(
         8, gt=0, description="Sequences per forward/backward micro-batch."
     )
+    micro_batch_tokens: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Token budget per micro-batch (rows x longest row, prompt included), replacing "
+            "micro_batch_size: rows are grouped longest first so short ones are not padded to "
+            "long ones (verl's dynamic batch size). 0: micro_batch_size rows in batch order."
+        ),
+    )
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the k3 KL to the reference policy.")
     clip_low: float = Field(0.2, gt=0.0, lt=1.0, description="PPO ratio clip below 1.")
     clip_high: float = Field(

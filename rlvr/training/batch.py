@@ -79,6 +79,10 @@ class TrainBatch:
                 out[f.name] = value[rows, cols]
         return TrainBatch(**out)
 
+    def rows(self, rows: list[int]) -> TrainBatch:
+        """A micro-batch of the given rows, in that order, trailing all-padding columns cut off."""
+        return self.select(rows).micro_batch(0, len(rows))
+
     def select(self, rows: list[int]) -> TrainBatch:
         """The given rows, in order (e.g. only those with loss tokens)."""
         index = torch.as_tensor(rows, dtype=torch.long)

@@ -78,6 +78,34 @@ def shard_batch(
     return out, sources
 
 
+def token_budget_rows(
+    lengths: Sequence[int], max_tokens: int, count: int | None = None
+) -> list[list[int]]:
+    """Rows of each micro-batch under a budget of ``max_tokens`` padded tokens (rows x the
+    longest row's length), verl's dynamic batch size: rows longest first, each micro-batch filled
+    while it fits (a row longer than the budget goes alone), so short rows are not padded to long
+    ones. ``count`` (at most the number of rows) asks for at least that many micro-batches, by
+    halving the costliest: every data-parallel rank runs as many (ZeRO-3 gathers per forward).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
+    groups: list[list[int]] = []
+    for row in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    want = min(count or 0, len(lengths))
+    while len(groups) < want:
+        splittable = [g for g in groups if len(g) > 1]
+        largest = max(splittable, key=lambda g: (len(g) * lengths[g[0]], len(g)))
+        at = groups.index(largest)
+        half = len(largest) // 2
+        groups[at : at + 1] = [largest[:half], largest[half:]]
+    return groups
+
+
 def shard_sequences(count: int, world: int) -> list[list[int | None]]:
     """Per rank, the sequences it scores (None: a filler): contiguous near-equal chunks, padded
     to one length so every rank runs the same number of forwards."""

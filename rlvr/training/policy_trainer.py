@@ -36,7 +36,7 @@ from rlvr.algorithms import dro, grpo
 from rlvr.config import LoraConfig
 from rlvr.generation.base import scored_positions
 from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
-from rlvr.training.data_parallel import mini_batch_bounds
+from rlvr.training.data_parallel import mini_batch_bounds, token_budget_rows
 from rlvr.training.weight_sync import TensorSpec
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -105,8 +105,9 @@ class PolicyTrainer:
     ppo_mini_batch_size). With more than one optimizer step the old-policy log-probs are computed
     once, without grad, before the first, so the clipped ratio acts from the second step on; with
     one they are the detached log-probs of the training forward itself (ratio 1, as in GRPO).
-    Each optimizer step runs in micro-batches of ``micro_batch_size`` sequences with gradient
-    accumulation, scaled so the accumulated gradient equals that of its mini-batch's loss.
+    Each optimizer step runs in micro-batches of ``micro_batch_size`` sequences (or, with
+    ``micro_batch_tokens``, of rows grouped longest first under that many padded tokens) with
+    gradient accumulation, scaled so the accumulated gradient equals that of its mini-batch's loss.
     ``engine_is`` corrects the mismatch between the generation engine that sampled the rollouts
     and the trainer (`grpo.engine_is_weights`, cap ``engine_is_cap``) when the batch carries
     ``rollout_logp``. With ``lora`` enabled only the adapter trains and the reference policy is the
@@ -142,6 +143,7 @@ class PolicyTrainer:
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float = 1.0,
         micro_batch_size: int = 8,
+        micro_batch_tokens: int = 0,
         dtype: Literal["float32", "bfloat16"] = "float32",
         seed: int = 0,
         kl_coef: float = 0.0,
@@ -179,6 +181,7 @@ class PolicyTrainer:
         self.loss = loss
         self.rho_ent = rho_ent
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.kl_coef = kl_coef
         self.clip_low = clip_low
         self.clip_high = clip_high
@@ -238,9 +241,20 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ log-probs
 
-    def _micro_ranges(self, n: int) -> Iterator[tuple[int, int]]:
-        for start in range(0, n, self.micro_batch_size):
-            yield start, min(start + self.micro_batch_size, n)
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        """Rows of each micro-batch: ``micro_batch_size`` rows in order, or under the
+        ``micro_batch_tokens`` budget (`token_budget_rows`) with as many micro-batches on every
+        rank (the most any rank needs)."""
+        n = len(batch)
+        if not self.micro_batch_tokens:
+            size = self.micro_batch_size
+            return [list(range(a, min(a + size, n))) for a in range(0, n, size)]
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        rows = token_budget_rows(lengths, self.micro_batch_tokens)
+        if self.world_size > 1:
+            count = int(self._all_reduce([len(rows)], "max")[0])
+            rows = token_budget_rows(lengths, self.micro_batch_tokens, count)
+        return rows
 
     def _forward(self, model: Callable[..., Any], mb: TrainBatch) -> torch.Tensor:
         return model(
@@ -257,13 +271,13 @@ class PolicyTrainer:
     ) -> torch.Tensor:
         """Log-probs ``[B, T]`` at ``temperature``; fills ``entropy`` (``[B, T]``) when given."""
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for start, stop in self._micro_ranges(len(batch)):
-            mb = batch.micro_batch(start, stop).to(self.device)
+        for rows in self._micro_batches(batch):
+            mb = batch.rows(rows).to(self.device)
             width = mb.input_ids.shape[1]
             logits = self._forward(model, mb)
-            out[start:stop, :width] = token_logprobs(logits, mb.input_ids, temperature).cpu()
+            out[rows, :width] = token_logprobs(logits, mb.input_ids, temperature).cpu()
             if entropy is not None:
-                entropy[start:stop, :width] = token_entropy(logits, temperature).cpu()
+                entropy[rows, :width] = token_entropy(logits, temperature).cpu()
             del logits
         return out
 
@@ -418,17 +432,17 @@ class PolicyTrainer:
         )
         totals = dict.fromkeys(keys, 0.0)
         seq_logp = torch.zeros(len(batch), dtype=torch.float64)
-        ranges = list(self._micro_ranges(len(batch)))
-        for i, (start, stop) in enumerate(ranges):
-            mb = batch.micro_batch(start, stop).to(self.device)
-            self.engine.set_gradient_accumulation_boundary(i == len(ranges) - 1)
+        micro_batches = self._micro_batches(batch)
+        for i, rows in enumerate(micro_batches):
+            mb = batch.rows(rows).to(self.device)
+            self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
             logits = self._forward(self.engine, mb)
             logp = token_logprobs(logits, mb.input_ids, self.temperature)
             entropy = token_entropy(logits, self.temperature)
             del logits
-            token_share = int(per_seq_tokens[start:stop].sum()) / max(n_tokens, 1)
+            token_share = int(per_seq_tokens[rows].sum()) / max(n_tokens, 1)
             old_logp = logp.detach() if on_policy else mb.old_logp
-            seq_logp[start:stop] = _masked_row_sums(old_logp, mb.response_mask)
+            seq_logp[rows] = _masked_row_sums(old_logp, mb.response_mask)
             token_weights = None
             if mb.rollout_logp is not None and (engine is not None or self.engine_is != "off"):
                 token_weights, engine_stats = grpo.engine_is_weights(
@@ -471,7 +485,7 @@ class PolicyTrainer:
                     token_weights=token_weights,
                 )
                 # The aggregation divides by this micro-batch's count; rescale to the global count.
-                agg_share = int(agg_counts[start:stop].sum()) / max(n_agg, 1)
+                agg_share = int(agg_counts[rows].sum()) / max(n_agg, 1)
                 pg_loss = pg_loss * agg_share
                 loss = pg_loss
                 if self.kl_coef > 0:

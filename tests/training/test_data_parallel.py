@@ -6,7 +6,13 @@ from __future__ import annotations
 import torch
 
 from rlvr.training.batch import build_batch
-from rlvr.training.data_parallel import mini_batch_bounds, shard_batch, shard_rows, shard_sequences
+from rlvr.training.data_parallel import (
+    mini_batch_bounds,
+    shard_batch,
+    shard_rows,
+    shard_sequences,
+    token_budget_rows,
+)
 
 
 def test_hand_values_two_ranks_two_mini_batches():
@@ -59,3 +65,22 @@ def test_sequences_split_in_equal_chunks():
     assert shard_sequences(5, 2) == [[0, 1, 2], [3, 4, None]]
     assert shard_sequences(1, 3) == [[0], [None], [None]]
     assert shard_sequences(0, 2) == [[], []]
+
+
+def test_token_budget_groups_rows_longest_first():
+    lengths = [5, 9, 1, 7, 4, 2, 11]
+    # Longest first: 11 alone (2 x 11 > 16), 9 alone (2 x 9 > 16), 7 takes 5 (2 x 7 = 14),
+    # 4 starts anew (3 x 7 > 16) and takes 2 and 1 (3 x 4 = 12).
+    assert token_budget_rows(lengths, 16) == [[6], [1], [3, 0], [4, 5, 2]]
+    assert token_budget_rows(lengths, 100) == [[6, 1, 3, 0, 4, 5, 2]]
+    assert token_budget_rows(lengths, 5) == [[6], [1], [3], [0], [4], [5, 2]]  # 11 > 5: alone
+    assert sorted(r for g in token_budget_rows(lengths, 16) for r in g) == list(range(7))
+
+
+def test_token_budget_splits_the_costliest_to_reach_a_count():
+    """Another rank needs 4 micro-batches: halve the costliest (rows x longest) until 4."""
+    lengths = [5, 9, 1, 7, 4, 2, 11]
+    # [6 1 3 | 0 4 5 2] costs 3 x 11 = 33 and 4 x 5 = 20: the first is halved next
+    assert token_budget_rows(lengths, 100, count=3) == [[6], [1, 3], [0, 4, 5, 2]]
+    assert len(token_budget_rows(lengths, 100, count=7)) == 7
+    assert len(token_budget_rows(lengths, 100, count=9)) == 7  # never more than the rows
