@@ -1,0 +1,145 @@
+"""Training step time with row micro-batches against token-budget micro-batches
+(`training.micro_batch_tokens`), side by side in one process on one rollout batch.
+
+    .venv/bin/python bench/micro_batches.py --config configs/smollm2-arith.yaml \
+        --rollouts runs/smollm2-arith/rollouts.jsonl --budgets 1024 2048 --repeats 3
+
+The batch is one step's rollouts: ``--rollouts`` (a run's rollouts.jsonl: its first step's
+responses, re-tokenised, each after its own prompt) or, without it, response lengths drawn
+uniformly from 1..max_tokens (seeded). Every setting gets its own PolicyTrainer from the same
+seed; the repeats alternate the settings' order and each times one `train_step` of the same
+batch. Reports medians of seconds per step, the padded tokens the forwards ran (rows x longest
+row, summed over micro-batches) against the real ones, the micro-batch count, and the largest
+micro-batch's padded tokens with the size of its fp32 logits (what bounds a step's peak memory;
+the trainers share one process, whose resident size says nothing per setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(__file__).resolve().parent / "out" / "micro_batches"
+
+
+def rollout_batch(cfg, tokenizer, problems, rollouts: Path | None, seed: int):
+    """Prompt and response token ids of one step: ``prompts_per_step x group_size`` rows."""
+    from rlvr.tasks.prompts import render_prompt
+
+    g = cfg.generation
+    rows = g.prompts_per_step * g.group_size
+    by_id = {p.id: p for p in problems}
+    if rollouts is not None:
+        records = [json.loads(line) for line in rollouts.read_text().splitlines()]
+        first = [r for r in records if r["step"] == records[0]["step"]][:rows]
+        prompts = [
+            render_prompt(tokenizer, by_id[r["prompt_id"]], cfg.task.instruction) for r in first
+        ]
+        responses = [
+            tokenizer(r["response"], add_special_tokens=False)["input_ids"][: g.max_tokens]
+            for r in first
+        ]
+        return prompts, [resp or [tokenizer.eos_token_id] for resp in responses]
+    rng = random.Random(seed)
+    chosen = [problems[i // g.group_size] for i in range(rows)]
+    prompts = [render_prompt(tokenizer, p, cfg.task.instruction) for p in chosen]
+    responses = [
+        [rng.randrange(100, tokenizer.vocab_size) for _ in range(rng.randint(1, g.max_tokens))]
+        for _ in range(rows)
+    ]
+    return prompts, responses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/smollm2-arith.yaml")
+    parser.add_argument("--rollouts", type=Path, default=None)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from rlvr.config import LoraConfig, load_config
+    from rlvr.training.batch import build_batch
+    from rlvr.training.policy_trainer import PolicyTrainer
+    from workflows.cli import ray_env
+    from workflows.train import prepare
+
+    ray_env()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+    model_dir, problems, _ = prepare(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts, responses = rollout_batch(cfg, tokenizer, problems, args.rollouts, cfg.run.seed)
+    batch = build_batch(prompts, responses, tokenizer.pad_token_id or tokenizer.eos_token_id)
+    gen = torch.Generator().manual_seed(cfg.run.seed)
+    batch.advantages = torch.randn(len(batch), generator=gen)
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    real = sum(lengths)
+
+    t, lora = cfg.training, cfg.model.lora
+    settings = {f"rows ({t.micro_batch_size} per micro-batch)": {"micro_batch_tokens": 0}}
+    settings.update({f"tokens (budget {b})": {"micro_batch_tokens": b} for b in args.budgets})
+    trainers = {
+        name: PolicyTrainer(
+            model_dir,
+            zero_stage=t.zero_stage,
+            lora=LoraConfig(**lora.model_dump()) if lora.enabled else None,
+            lr=t.lr,
+            micro_batch_size=t.micro_batch_size,
+            dtype=cfg.model.dtype,
+            seed=cfg.run.seed,
+            temperature=cfg.generation.temperature,
+            loss_agg=t.loss_agg,
+            **extra,
+        )
+        for name, extra in settings.items()
+    }
+    names = list(trainers)
+    seconds: dict[str, list[float]] = {n: [] for n in names}
+    for name in names:  # one warm-up step each (first-call allocations, thread pools)
+        trainers[name].train_step(batch)
+    for repeat in range(args.repeats):
+        for name in names if repeat % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            trainers[name].train_step(batch)
+            seconds[name].append(time.perf_counter() - start)
+            print(f"repeat {repeat} {name}: {seconds[name][-1]:.2f} s", flush=True)
+
+    lines = [
+        f"{len(batch)} rows, {real} real tokens (prompt + response), "
+        f"{'rollouts ' + str(args.rollouts) if args.rollouts else 'synthetic response lengths'}; "
+        f"medians of {args.repeats} alternating steps after one warm-up each",
+        "",
+        "| micro-batches | count | padded tokens | padding share | largest (tokens) | "
+        "its logits MiB | s/step | x rows |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base_s = statistics.median(seconds[names[0]])
+    vocab = trainers[names[0]].engine.module.get_output_embeddings().weight.shape[0]
+    for name in names:
+        plan = trainers[name]._micro_batches(batch)
+        sizes = [len(rows) * max(lengths[r] for r in rows) for rows in plan]
+        s = statistics.median(seconds[name])
+        lines.append(
+            f"| {name} | {len(plan)} | {sum(sizes)} | {1 - real / sum(sizes):.1%} | "
+            f"{max(sizes)} | {max(sizes) * vocab * 4 / 2**20:.0f} | {s:.2f} | {base_s / s:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{Path(args.config).stem}.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
