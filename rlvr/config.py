@@ -156,6 +156,14 @@ class TrainingConfig(Section):
     micro_batch_size: int = Field(
         8, gt=0, description="Sequences per forward/backward micro-batch."
     )
+    lm_head_chunk: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Apply the LM head only at loss tokens, this many at a time, recomputing each chunk "
+            "in backward: no [tokens x vocabulary] logits tensor. 0: the full logits."
+        ),
+    )
     micro_batch_tokens: int = Field(
         0,
         ge=0,

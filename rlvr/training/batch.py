@@ -179,7 +179,7 @@ def token_logprobs(
     ``out[:, t] = log p_T(input_ids[:, t] | input_ids[:, :t])`` from ``logits[:, t - 1] / T``;
     ``out[:, 0]`` is 0 (no prediction).
     """
-    _check_temperature(temperature)
+    check_temperature(temperature)
     # gather - logsumexp keeps no [b, t, V] log-softmax alive for backward (the logits suffice).
     logits = logits[:, :-1].float()
     if temperature != 1.0:
@@ -191,7 +191,7 @@ def token_logprobs(
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / T) predicting each token, aligned like `token_logprobs`."""
-    _check_temperature(temperature)
+    check_temperature(temperature)
     logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -200,6 +200,6 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return torch.nn.functional.pad(entropy, (1, 0))
 
 
-def _check_temperature(temperature: float) -> None:
+def check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")

@@ -37,6 +37,7 @@ from rlvr.config import LoraConfig
 from rlvr.generation.base import scored_positions
 from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
 from rlvr.training.data_parallel import mini_batch_bounds, token_budget_rows
+from rlvr.training.lm_head import head_calls_needed, loss_token_stats
 from rlvr.training.weight_sync import TensorSpec
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -108,6 +109,9 @@ class PolicyTrainer:
     Each optimizer step runs in micro-batches of ``micro_batch_size`` sequences (or, with
     ``micro_batch_tokens``, of rows grouped longest first under that many padded tokens) with
     gradient accumulation, scaled so the accumulated gradient equals that of its mini-batch's loss.
+    ``lm_head_chunk`` applies the LM head only at loss tokens, that many at a time, recomputed in
+    backward but under ZeRO-3 (`rlvr.training.lm_head`): no full logits tensor; log-probs are
+    then 0 off the loss tokens.
     ``engine_is`` corrects the mismatch between the generation engine that sampled the rollouts
     and the trainer (`grpo.engine_is_weights`, cap ``engine_is_cap``) when the batch carries
     ``rollout_logp``. With ``lora`` enabled only the adapter trains and the reference policy is the
@@ -144,6 +148,7 @@ class PolicyTrainer:
         grad_clip: float = 1.0,
         micro_batch_size: int = 8,
         micro_batch_tokens: int = 0,
+        lm_head_chunk: int = 0,
         dtype: Literal["float32", "bfloat16"] = "float32",
         seed: int = 0,
         kl_coef: float = 0.0,
@@ -182,6 +187,7 @@ class PolicyTrainer:
         self.rho_ent = rho_ent
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
+        self.lm_head_chunk = lm_head_chunk
         self.kl_coef = kl_coef
         self.clip_low = clip_low
         self.clip_high = clip_high
@@ -256,10 +262,31 @@ class PolicyTrainer:
             rows = token_budget_rows(lengths, self.micro_batch_tokens, count)
         return rows
 
-    def _forward(self, model: Callable[..., Any], mb: TrainBatch) -> torch.Tensor:
-        return model(
+    def _token_stats(
+        self, model: Callable[..., Any], mb: TrainBatch, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs and (with_entropy) entropies ``[b, t]`` of one micro-batch: through the LM
+        head in chunks at the loss tokens only (`lm_head.loss_token_stats`, with
+        ``lm_head_chunk``), else from the full logits tensor."""
+        if self.lm_head_chunk:
+            head_calls = None
+            if self.zero_stage == 3 and self.world_size > 1:
+                needed = head_calls_needed(mb.num_loss_tokens, self.lm_head_chunk)
+                head_calls = int(self._all_reduce([needed], "max")[0])
+            return loss_token_stats(
+                model,
+                mb,
+                temperature,
+                self.lm_head_chunk,
+                with_entropy,
+                recompute=self.zero_stage != 3,
+                head_calls=head_calls,
+            )
+        logits = model(
             input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
         ).logits
+        logp = token_logprobs(logits, mb.input_ids, temperature)
+        return logp, token_entropy(logits, temperature) if with_entropy else None
 
     @torch.no_grad()
     def _logprobs_with(
@@ -274,11 +301,10 @@ class PolicyTrainer:
         for rows in self._micro_batches(batch):
             mb = batch.rows(rows).to(self.device)
             width = mb.input_ids.shape[1]
-            logits = self._forward(model, mb)
-            out[rows, :width] = token_logprobs(logits, mb.input_ids, temperature).cpu()
+            logp, mb_entropy = self._token_stats(model, mb, temperature, entropy is not None)
+            out[rows, :width] = logp.cpu()
             if entropy is not None:
-                entropy[rows, :width] = token_entropy(logits, temperature).cpu()
-            del logits
+                entropy[rows, :width] = mb_entropy.cpu()
         return out
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -436,10 +462,7 @@ class PolicyTrainer:
         for i, rows in enumerate(micro_batches):
             mb = batch.rows(rows).to(self.device)
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-            logits = self._forward(self.engine, mb)
-            logp = token_logprobs(logits, mb.input_ids, self.temperature)
-            entropy = token_entropy(logits, self.temperature)
-            del logits
+            logp, entropy = self._token_stats(self.engine, mb, self.temperature, True)
             token_share = int(per_seq_tokens[rows].sum()) / max(n_tokens, 1)
             old_logp = logp.detach() if on_policy else mb.old_logp
             seq_logp[rows] = _masked_row_sums(old_logp, mb.response_mask)

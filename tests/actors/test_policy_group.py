@@ -42,6 +42,7 @@ def _group(
         "lr": LR,
         "micro_batch_size": 2,
         "micro_batch_tokens": micro_batch_tokens,
+        "lm_head_chunk": 4 if micro_batch_tokens else 0,
         "mini_batches": MINI_BATCHES,
         "kl_coef": 0.05,
         "loss_agg": loss_agg,
@@ -65,6 +66,7 @@ def _kill(handles) -> None:
     ("zero_stage", "loss_agg", "micro_batch_tokens"),
     # ZeRO-3 under a 20-token budget: in each mini-batch rank 0's share (lengths 11 + 5, then
     # 14 + 4) needs two micro-batches and rank 1's (8 + 10, then 9 + 4) one, so rank 1 splits.
+    # With it the LM head runs at loss tokens only (in chunks of 4), fillers included.
     [(2, "token-mean", 0), (3, "seq-mean-token-sum-norm", 20)],
 )
 def test_two_ranks_take_the_one_rank_update(

@@ -16,7 +16,14 @@ from transformers import AutoModelForCausalLM
 
 from rlvr.config import LoraConfig
 from rlvr.models.tiny import build_tiny_model
-from rlvr.training.batch import TrainBatch, build_batch, rows_that_train, token_logprobs
+from rlvr.training.batch import (
+    TrainBatch,
+    build_batch,
+    rows_that_train,
+    token_entropy,
+    token_logprobs,
+)
+from rlvr.training.lm_head import loss_token_stats
 from rlvr.training.policy_trainer import PolicyTrainer
 
 PROMPTS = [[3, 4, 5], [3, 4], [6, 7, 8, 9], [10]]
@@ -113,6 +120,8 @@ def test_micro_batching_does_not_change_loss_or_gradient(model_dir, agg, expecte
     12 tokens groups rows (0, 2) and (3, 1) out of batch order and 6 puts each row alone."""
     settings = [{"micro_batch_size": 1}, {"micro_batch_size": 3}]
     settings += [{"micro_batch_tokens": 12}, {"micro_batch_tokens": 6}]
+    # and the LM head at loss tokens only, in chunks of 3 (recomputed in backward)
+    settings += [{"micro_batch_size": 3, "lm_head_chunk": 3}]
     runs = [
         step_with_grads(make_trainer(model_dir, **kw, loss_agg=agg, grad_clip=1e6))
         for kw in settings
@@ -165,6 +174,44 @@ def test_rows_without_loss_tokens_can_be_left_out(model_dir, agg):
     assert m_part["loss"] == pytest.approx(m_all["loss"], abs=1e-6)
     for name in g_all:
         torch.testing.assert_close(g_part[name], g_all[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_chunked_lm_head_gives_the_full_logits_values_at_loss_tokens(model_dir, chunk):
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    batch = build_batch(
+        PROMPTS,
+        RESPONSES,
+        pad_id=0,
+        loss_masks=[[j != 1 for j in range(len(r))] for r in RESPONSES],
+    )
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logp, entropy = loss_token_stats(model, batch, 0.7, chunk)
+    mask = batch.response_mask
+    assert int(mask.sum()) == 7
+    # the same fp32 matmuls, the head applied to fewer rows: equal up to summation order
+    torch.testing.assert_close(logp[mask], token_logprobs(logits, batch.input_ids, 0.7)[mask])
+    torch.testing.assert_close(entropy[mask], token_entropy(logits, 0.7)[mask])
+    assert not logp[~mask].any() and not entropy[~mask].any()
+
+
+def test_chunked_lm_head_under_zero3_lora(model_dir):
+    """ZeRO-3 gathers the decoder's and the head's weights when they run apart; LoRA's adapters
+    stay in the path (and out of it for the reference log-probs)."""
+    lora = LoraConfig(enabled=True, r=4, alpha=8)
+    runs = []
+    for chunk in (0, 2):
+        trainer = make_trainer(model_dir, zero_stage=3, lora=lora, kl_coef=0.1, lm_head_chunk=chunk)
+        batch = make_batch()
+        ref = trainer.ref_logprobs(batch)
+        runs.append((train(trainer, 2), trainer.logprobs(batch), ref))
+    (m0, logp0, ref0), (m2, logp2, ref2) = runs
+    for got, want in zip(m2, m0, strict=True):
+        assert scalars(got) == pytest.approx(scalars(want), rel=1e-4, abs=1e-7)
+    mask = make_batch().response_mask
+    torch.testing.assert_close(logp2[mask], logp0[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ref2[mask], ref0[mask], rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

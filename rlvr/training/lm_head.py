@@ -1,0 +1,116 @@
+"""Log-probs and entropies at the loss tokens only, the LM head applied in chunks.
+
+A causal LM's forward ends in a [tokens x vocabulary] logits tensor (49,152 columns for SmolLM2),
+most of a training step's memory, though the loss reads one log-prob per response token. Here the
+model runs with its head on no position (transformers' ``logits_to_keep``), and the head is then
+applied only to the hidden states that predict loss tokens, in chunks of ``chunk_tokens``. With
+gradients on, each chunk is recomputed in backward (`torch.utils.checkpoint`), so one chunk's
+logits are alive at a time (the fused linear cross-entropy idea); under ZeRO-3 the chunks' logits
+are kept instead, as a frozen head's weight is partitioned again by the time a recomputation runs.
+Values and alignment are those of `rlvr.training.batch.token_logprobs` and `token_entropy` at
+every loss token; every other position holds 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from rlvr.training.batch import TrainBatch, check_temperature
+
+
+def causal_lm(model: Any) -> Any:
+    """The transformers causal LM inside a DeepSpeed engine (``.module``) and a PEFT wrapper
+    (its LoRA layers stay in place, so `disable_adapter` still applies)."""
+    module = getattr(model, "module", model)
+    get_base = getattr(module, "get_base_model", None)
+    return get_base() if get_base is not None else module
+
+
+def _chunk_stats(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: torch.nn.Module,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of each target and (without grad, when asked) the entropy, from ``hidden``."""
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        # H = -sum p log p = lse - sum p * logit
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+def loss_token_stats(
+    model: Any,
+    batch: TrainBatch,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool = True,
+    recompute: bool = True,
+    head_calls: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[b, t]`` (differentiable when grad is on) and entropies ``[b, t]`` (no grad;
+    None without ``with_entropy``) of softmax(logits / ``temperature``) at
+    ``batch.response_mask``, 0 elsewhere.
+
+    ``recompute`` False keeps every chunk's logits for backward instead (ZeRO-3 partitions a
+    frozen head's weight again before a recomputation runs). ``head_calls`` runs the head that
+    many times, the chunks the loss tokens need and then empty ones: under ZeRO-3 every call
+    gathers the head's weight collectively, so data-parallel ranks must call it equally often.
+    """
+    check_temperature(temperature)
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    # The whole model runs (a DeepSpeed engine's forward, with its ZeRO-3 hooks), its head on no
+    # position; the last hidden state is the final norm's output, the head's input.
+    nowhere = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
+    hidden = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=nowhere,
+    ).hidden_states[-1]
+    rows, cols = batch.response_mask.nonzero(as_tuple=True)
+    predicting = hidden[rows, cols - 1]
+    targets = batch.input_ids[rows, cols]
+    needed = head_calls_needed(len(targets), chunk_tokens)
+    if head_calls is not None and head_calls < needed:
+        raise ValueError(f"head_calls={head_calls} but the loss tokens need {needed}")
+    head = causal_lm(model).get_output_embeddings()
+    logps, entropies = [], []
+    for i in range(needed if head_calls is None else head_calls):
+        # Calls past the loss tokens take empty chunks; even one with no loss token at all keeps
+        # a graph through every weight for the backward every micro-batch runs.
+        span = slice(i * chunk_tokens, (i + 1) * chunk_tokens)
+        args = (predicting[span], targets[span], head, temperature, with_entropy)
+        if recompute and torch.is_grad_enabled():
+            logp, entropy = checkpoint(_chunk_stats, *args, use_reentrant=False)
+        else:
+            logp, entropy = _chunk_stats(*args)
+        logps.append(logp)
+        entropies.append(entropy)
+    shape, device = batch.input_ids.shape, hidden.device
+    logp = torch.zeros(shape, dtype=torch.float32, device=device)
+    logp = logp.index_put((rows, cols), torch.cat(logps))
+    if not with_entropy:
+        return logp, None
+    entropy = torch.zeros(shape, dtype=torch.float32, device=device)
+    entropy[rows, cols] = torch.cat(entropies)
+    return logp, entropy
+
+
+def head_calls_needed(loss_tokens: int, chunk_tokens: int) -> int:
+    """Head calls over ``loss_tokens`` in chunks of ``chunk_tokens``: at least one, so that a
+    micro-batch without loss tokens still has a graph through the head."""
+    return max(1, -(-loss_tokens // chunk_tokens))
