@@ -1,5 +1,6 @@
 """Training step time with row micro-batches against token-budget micro-batches
-(`training.micro_batch_tokens`), side by side in one process on one rollout batch.
+(`training.micro_batch_tokens`), each with and without the LM head at loss tokens only
+(`training.lm_head_chunk`), side by side in one process on one rollout batch.
 
     .venv/bin/python bench/micro_batches.py --config configs/smollm2-arith.yaml \
         --rollouts runs/smollm2-arith/rollouts.jsonl --budgets 1024 2048 --repeats 3
@@ -9,9 +10,10 @@ responses, re-tokenised, each after its own prompt) or, without it, response len
 uniformly from 1..max_tokens (seeded). Every setting gets its own PolicyTrainer from the same
 seed; the repeats alternate the settings' order and each times one `train_step` of the same
 batch. Reports medians of seconds per step, the padded tokens the forwards ran (rows x longest
-row, summed over micro-batches) against the real ones, the micro-batch count, and the largest
-micro-batch's padded tokens with the size of its fp32 logits (what bounds a step's peak memory;
-the trainers share one process, whose resident size says nothing per setting).
+row, summed over micro-batches) against the real ones, the micro-batch count, the largest
+micro-batch's padded tokens, and the fp32 logits held at once: the largest micro-batch's over
+every position, or with the chunked head one chunk's (what bounds a step's peak memory; the
+trainers share one process, whose resident size says nothing per setting).
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ def main() -> None:
     parser.add_argument("--rollouts", type=Path, default=None)
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--head-chunk",
+        type=int,
+        default=1024,
+        help="also each setting with training.lm_head_chunk at this size (0: not)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     args = parser.parse_args()
@@ -88,8 +96,13 @@ def main() -> None:
     real = sum(lengths)
 
     t, lora = cfg.training, cfg.model.lora
-    settings = {f"rows ({t.micro_batch_size} per micro-batch)": {"micro_batch_tokens": 0}}
+    rows = f"rows ({t.micro_batch_size} per micro-batch)"
+    settings = {rows: {"micro_batch_tokens": 0}}
     settings.update({f"tokens (budget {b})": {"micro_batch_tokens": b} for b in args.budgets})
+    if args.head_chunk:
+        head = {"lm_head_chunk": args.head_chunk}
+        chunked = {f"{name} + head at loss tokens": {**kw, **head} for name, kw in settings.items()}
+        settings.update(chunked)
     trainers = {
         name: PolicyTrainer(
             model_dir,
@@ -122,7 +135,7 @@ def main() -> None:
         f"medians of {args.repeats} alternating steps after one warm-up each",
         "",
         "| micro-batches | count | padded tokens | padding share | largest (tokens) | "
-        "its logits MiB | s/step | x rows |",
+        "logits held MiB | s/step | x rows |",
         "|---|---|---|---|---|---|---|---|",
     ]
     base_s = statistics.median(seconds[names[0]])
@@ -130,10 +143,12 @@ def main() -> None:
     for name in names:
         plan = trainers[name]._micro_batches(batch)
         sizes = [len(rows) * max(lengths[r] for r in rows) for rows in plan]
+        chunk = settings[name].get("lm_head_chunk", 0)
+        held = min(chunk, batch.num_loss_tokens) if chunk else max(sizes)
         s = statistics.median(seconds[name])
         lines.append(
             f"| {name} | {len(plan)} | {sum(sizes)} | {1 - real / sum(sizes):.1%} | "
-            f"{max(sizes)} | {max(sizes) * vocab * 4 / 2**20:.0f} | {s:.2f} | {base_s / s:.2f} |"
+            f"{max(sizes)} | {held * vocab * 4 / 2**20:.0f} | {s:.2f} | {base_s / s:.2f} |"
         )
     table = "\n".join(lines)
     print(table)
