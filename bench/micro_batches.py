@@ -153,7 +153,8 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{Path(args.config).stem}.md").write_text(table + "\n")
+    kind = "lora" if lora.enabled else "full"
+    (OUT / f"{Path(args.config).stem}-{kind}.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ def test_per_role_strategies_give_each_role_a_group(ray_cluster):
 
 
 def test_a_colocated_run_trains_and_syncs_by_hand_over(tmp_path, run_cli, tiny_train_args):
+    """Also the trainer's token-budget micro-batches and chunked LM head, through the actors."""
     proc = run_cli(
         tiny_train_args(
             tmp_path,
@@ -50,6 +51,9 @@ def test_a_colocated_run_trains_and_syncs_by_hand_over(tmp_path, run_cli, tiny_t
             "resources.policy_cpus=0.5",
             "resources.generator_cpus=0.5",
             "sync.bucket_mb=0.25",
+            # and the trainer's token-budget micro-batches with the chunked LM head
+            "training.micro_batch_tokens=128",
+            "training.lm_head_chunk=32",
         )
     )
     log, _ = proc.communicate(timeout=900)
