@@ -180,8 +180,8 @@ def sleep_level(cfg: Config) -> int | None:
 
 def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> Components:
     """The run's workers: `resources.policy_ranks` PolicyActors and `resources.generator_engines`
-    GeneratorActors in the run's placement groups (in-process: one of each), the controller, the verifier
-    pool, and the weight sync between policy and engines (`sync.transport`)."""
+    GeneratorActors in the run's placement groups (in-process: one of each), the controller, the
+    verifier pool, and the weight sync between policy and engines (`sync.transport`)."""
     mini_batches = cfg.training.mini_batches
     if not use_actors:
         policy = PolicyGroup(
