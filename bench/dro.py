@@ -23,7 +23,7 @@ correlation, the group rejection rate, seconds per step and the share of it spen
     .venv/bin/python bench/dro.py --steps 30
     .venv/bin/python bench/dro.py --config configs/smollm2-dro.yaml --steps 6 --eval-every 6 \\
         --seeds 0 1 2 --variants r3-no-gates avg-prob avg-logprob r3 --set task.n_test=64 \\
-        --out bench/out/dro-smollm2-3seeds    # about 90 minutes on 2 cores
+        --out bench/out/dro-smollm2-fewshot
 """
 
 from __future__ import annotations

@@ -61,7 +61,9 @@ def main() -> None:
         kv_cache_gib=g.kv_cache_gib,
         enforce_eager=True,
     )
-    params = SamplingParams(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens)
+    params = SamplingParams(
+        temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens, stop=tuple(g.stop)
+    )
     results = engine.generate(requests, params)
     engine.close()
     batch = results_batch(results, tokenizer.pad_token_id or 0)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rlvr.algorithms import dro, duet, laconic
 from rlvr.run.placement import GroupPlan, merge_bundles, plan_placement
+from rlvr.tasks.prompts import PROMPT_SLOT
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 128)
 
@@ -107,7 +108,11 @@ class TaskConfig(Section):
     n_test: int = Field(100, gt=0, description="Procedural held-out problems.")
     seed: int = Field(0, description="Task generation seed.")
     instruction: str = Field(
-        "Put your final answer in \\boxed{}.", description="Appended to every prompt."
+        "Put your final answer in \\boxed{}.",
+        description=(
+            "Appended to every problem; or, when it contains {prompt}, a template the problem's "
+            "text fills (few-shot examples before it, e.g. for raw prompts)."
+        ),
     )
     chat_template: bool = Field(
         True,
@@ -119,6 +124,8 @@ class TaskConfig(Section):
     def _check(self) -> TaskConfig:
         if self.name in ("file", "reference_file") and not self.train_path:
             raise ValueError(f"train_path is required when name='{self.name}'")
+        if self.instruction.count(PROMPT_SLOT) > 1:
+            raise ValueError(f"instruction holds {PROMPT_SLOT} more than once")
         return self
 
 
@@ -129,6 +136,14 @@ class GenerationConfig(Section):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature for rollouts.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(256, gt=0, description="Longest response in tokens.")
+    stop: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Stop strings: a rollout ends with the token that completes one (kept in the "
+            "trained tokens, cut from the verified text), e.g. the next 'Question:' of a few-shot "
+            "raw prompt. Training, held-out evaluation and DRO's filter all use them."
+        ),
+    )
     max_model_len: int = Field(
         1024, gt=0, description="Prompt + response context the engine reserves."
     )
@@ -145,6 +160,8 @@ class GenerationConfig(Section):
     def _check(self) -> GenerationConfig:
         if self.max_tokens >= self.max_model_len:
             raise ValueError("max_tokens must be < max_model_len (the prompt needs room)")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty (an empty one would match at once)")
         return self
 
 

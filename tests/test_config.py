@@ -51,6 +51,8 @@ def test_yaml_and_overrides(tmp_path):
         (["generation.max_tokens=2048"], "generation"),
         (["training.zero_stage=5"], "training.zero_stage"),
         (["task.difficulty.operators=+/"], "task.difficulty"),
+        (['generation.stop=[""]'], "generation"),
+        (['task.instruction="{prompt} then {prompt}"'], "task"),
     ],
 )
 def test_bad_values_name_the_key(overrides, key):

@@ -62,7 +62,11 @@ def score_queries(
     tokens = DroTokens.from_tokenizer(tokenizer, d.delimiter, d.separator)
     refs = {p.id: reference_ids(tokenizer, reference_text(p, d.delimiter)) for p in problems}
     params = SamplingParams(
-        temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens, seed=cfg.run.seed
+        temperature=g.temperature,
+        top_p=g.top_p,
+        max_tokens=g.max_tokens,
+        seed=cfg.run.seed,
+        stop=tuple(g.stop),
     )
     sbar, mean_prob, mean_sigma = [], [], []
     for start in range(0, len(problems), FILTER_CHUNK):

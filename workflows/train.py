@@ -93,6 +93,7 @@ class Trainer:
             top_p=g.top_p,
             max_tokens=g.max_tokens,
             seed=sampling_seed(self.cfg.run.seed, step),
+            stop=tuple(g.stop),
         )
 
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -101,7 +102,11 @@ class Trainer:
         the best checkpoint."""
         g = self.cfg.generation
         params = SamplingParams(
-            temperature=g.eval_temperature, top_p=1.0, max_tokens=g.max_tokens, seed=EVAL_SEED
+            temperature=g.eval_temperature,
+            top_p=1.0,
+            max_tokens=g.max_tokens,
+            seed=EVAL_SEED,
+            stop=tuple(g.stop),
         )
         n = {p.id: g.eval_samples for p in self.test_problems}
         t0 = time.perf_counter()

@@ -25,6 +25,16 @@ class SamplingParams:
     max_tokens: int = 256
     seed: int | None = None
     """Default base seed of every request; sample j draws from seed + j (see `sample_seed`)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: a sample ends (finish reason 'stop') with the token that completes one in
+    its response text. As in vLLM, the token ids keep that token and `Sample.text` ends before
+    the string (`cut_at_stop`)."""
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """`text` up to its earliest stop string (all of it when none occurs)."""
+    ends = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[: min(ends)] if ends else text
 
 
 @runtime_checkable
@@ -72,13 +82,14 @@ class Sample:
 
     token_ids: list[int]
     text: str
+    """The decoded response without special tokens, ending before a stop string."""
     logprobs: list[float]
     """Log-prob of each sampled token under the distribution it was drawn from: softmax(logits / T)
     renormalised over the top-p nucleus (log_softmax of the raw logits when greedy); a token a
     stop rule forced has log-prob 0. Both backends return this; the trainer's engine importance
     correction compares it with its own log-probs at T (without top-p, as verl and TRL)."""
     finish_reason: str
-    """'stop' (EOS or stop rule), 'length' (max_tokens), or 'abort'."""
+    """'stop' (EOS, stop string or stop rule), 'length' (max_tokens), or 'abort'."""
     flags: dict[str, Any] = field(default_factory=dict)
     authorship: list[int] | None = None
     """Tandem rollouts only: the author of each token (1 = senior, 0 = junior), same length as

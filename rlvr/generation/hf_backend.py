@@ -19,6 +19,7 @@ from rlvr.generation.base import (
     Sample,
     SamplingParams,
     StopRuleFactory,
+    cut_at_stop,
     sample_seed,
     scored_positions,
 )
@@ -257,7 +258,7 @@ class HFBackend:
             ):
                 responses[job].append(token)
                 logprobs[job].append(logprob)
-                if token in self.stop_token_ids:
+                if token in self.stop_token_ids or self._ends_in_stop(responses[job], params.stop):
                     finish[job] = "stop"
                 elif len(responses[job]) < params.max_tokens:
                     keep.append(row)
@@ -286,7 +287,10 @@ class HFBackend:
             samples.append(
                 Sample(
                     token_ids=responses[job],
-                    text=self.tokenizer.decode(responses[job], skip_special_tokens=True),
+                    text=cut_at_stop(
+                        self.tokenizer.decode(responses[job], skip_special_tokens=True),
+                        params.stop,
+                    ),
                     logprobs=logprobs[job],
                     finish_reason=finish[job],
                     flags=flags,
@@ -294,6 +298,14 @@ class HFBackend:
                 )
             )
         return samples
+
+    def _ends_in_stop(self, response: list[int], stop: tuple[str, ...]) -> bool:
+        """Whether the response text (as vLLM matches it: special tokens skipped) holds a stop
+        string; checked after every token, so the last token is the one that completed it."""
+        if not stop:
+            return False
+        text = self.tokenizer.decode(response, skip_special_tokens=True)
+        return any(s in text for s in stop)
 
     @staticmethod
     def _sample(

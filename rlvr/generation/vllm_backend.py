@@ -35,6 +35,7 @@ from rlvr.generation.base import (
     Sample,
     SamplingParams,
     StopRuleFactory,
+    cut_at_stop,
     sample_seed,
     scored_positions,
 )
@@ -278,7 +279,9 @@ class VLLMBackend:
                         max_tokens=params.max_tokens,
                         seed=seed,
                         logprobs=0,
-                        detokenize=False,
+                        stop=list(params.stop) or None,
+                        # vLLM matches stop strings on its own detokenized text
+                        detokenize=bool(params.stop),
                         extra_args=extra_args or None,
                     )
                 )
@@ -311,7 +314,9 @@ class VLLMBackend:
                 samples.append(
                     Sample(
                         token_ids=token_ids,
-                        text=self.tokenizer.decode(token_ids, skip_special_tokens=True),
+                        text=cut_at_stop(
+                            self.tokenizer.decode(token_ids, skip_special_tokens=True), params.stop
+                        ),
                         logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         flags=flags,

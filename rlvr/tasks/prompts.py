@@ -7,11 +7,16 @@ from typing import Any
 from rlvr.tasks.base import Problem
 
 DEFAULT_INSTRUCTION = "Put your final answer in \\boxed{}."
+PROMPT_SLOT = "{prompt}"
+"""Where the problem goes in an instruction that is a template (task.instruction)."""
 
 
 def prompt_text(problem: Problem, instruction: str = DEFAULT_INSTRUCTION) -> str:
-    """The prompt's text: the problem followed by the instruction, whose trailing whitespace is
-    kept (a raw prompt may end in the newline after which the answer starts)."""
+    """The prompt's text: the instruction with the problem in its `PROMPT_SLOT` (a few-shot
+    template), else the problem followed by the instruction. Trailing whitespace is kept (a raw
+    prompt may end in the newline after which the answer starts)."""
+    if PROMPT_SLOT in instruction:
+        return instruction.replace(PROMPT_SLOT, problem.prompt)
     return f"{problem.prompt} {instruction}".lstrip() if instruction else problem.prompt
 
 

@@ -153,6 +153,37 @@ def test_n_samples_max_tokens_length_and_empty_request(engine):
         assert sample.flags == {}
 
 
+def test_stop_strings_end_samples_where_transformers_ends_them(engine, hf):
+    """A stop string ends a sample with the token that completes it: that token stays in the ids
+    and log-probs, the text stops before the string, the finish reason is 'stop'; both backends
+    agree token for token (greedy, so the draws are the same)."""
+    requests = [GenerationRequest(p, request_id=str(i)) for i, p in enumerate(PROMPTS)]
+    free = engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=24))
+    tokens = free[0].samples[0].token_ids
+    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3
+    completes = next(
+        k
+        for k in range(1, len(tokens) + 1)
+        if stop in engine.tokenizer.decode(tokens[:k], skip_special_tokens=True)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop=(stop, "never-seen"))
+    from_vllm, from_hf = engine.generate(requests, params), hf.generate(requests, params)
+    first = from_vllm[0].samples[0]
+    assert first.token_ids == tokens[:completes]
+    assert len(first.logprobs) == completes
+    assert first.finish_reason == "stop"
+    assert first.text == text[: text.index(stop)]
+    assert _token_ids(from_vllm) == _token_ids(from_hf)
+    for a, b in zip(from_vllm, from_hf, strict=True):
+        assert (a.samples[0].text, a.samples[0].finish_reason) == (
+            b.samples[0].text,
+            b.samples[0].finish_reason,
+        )
+        assert stop not in a.samples[0].text
+
+
 def test_stop_rules_force_eos_inside_the_engine(engine, hf, stop_after, stop_on_token):
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=3)
     free = engine.generate([GenerationRequest(PROMPTS[0])], params)[0].samples[0]

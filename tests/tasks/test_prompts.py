@@ -28,6 +28,14 @@ def test_messages():
     assert DEFAULT_INSTRUCTION == "Put your final answer in \\boxed{}."
 
 
+def test_an_instruction_with_a_prompt_slot_is_a_template():
+    few_shot = "Q: Compute 1 + 1.\nA: \\boxed{2}\n\nQ: {prompt}\nA:"
+    assert prompt_text(PROBLEM, few_shot) == (
+        "Q: Compute 1 + 1.\nA: \\boxed{2}\n\nQ: Compute 2 + 3.\nA:"
+    )
+    assert prompt_messages(PROBLEM, "{prompt} Box it.") == prompt_messages(PROBLEM, "Box it.")
+
+
 def test_render_prompt_is_the_chat_template_as_plain_ints(tokenizer):
     ids = render_prompt(tokenizer, PROBLEM)
     assert type(ids) is list and all(type(i) is int for i in ids)

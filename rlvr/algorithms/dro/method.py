@@ -226,7 +226,11 @@ class Dro(Method):
 
         g = self.cfg.generation
         train_params = SamplingParams(
-            temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens, seed=params.seed
+            temperature=g.temperature,
+            top_p=g.top_p,
+            max_tokens=g.max_tokens,
+            seed=params.seed,
+            stop=tuple(g.stop),
         )
         rollouts = run.generate(
             problems, {p.id: g.group_size for p in problems}, train_params, step
