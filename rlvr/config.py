@@ -181,6 +181,14 @@ class TrainingConfig(Section):
             "in backward: no [tokens x vocabulary] logits tensor. 0: the full logits."
         ),
     )
+    shared_prefix: bool = Field(
+        False,
+        description=(
+            "Run each prompt once for the rows of a micro-batch that share it (a GRPO group), "
+            "every response behind it under a block mask: the same log-probs and gradients for "
+            "fewer tokens (Prefix Grouper, arXiv:2506.05433). Needs sdpa or eager attention."
+        ),
+    )
     micro_batch_tokens: int = Field(
         0,
         ge=0,

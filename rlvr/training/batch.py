@@ -30,7 +30,8 @@ class TrainBatch:
     importance correction. A Tandem batch also carries ``authorship``, which the policy turns into
     its senior-only loss mask. ``filler`` marks rows a data-parallel split added so that every rank
     holds as many rows (`rlvr.training.data_parallel`): they have no loss token and count in no
-    denominator.
+    denominator. ``prompt_lens`` lets rows that share a prompt run it once
+    (`rlvr.training.shared_prefix`).
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -43,6 +44,7 @@ class TrainBatch:
     rollout_logp: torch.Tensor | None = None  # [B, T] float, the engine's sampled-token log-probs
     authorship: torch.Tensor | None = None  # [B, T] long, Tandem: 1 where the senior wrote
     filler: torch.Tensor | None = None  # [B] bool, rows that only even out data-parallel shards
+    prompt_lens: torch.Tensor | None = None  # [B] long, prompt tokens at the start of each row
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -168,6 +170,7 @@ def build_batch(
         attention_mask=attention_mask,
         response_mask=response_mask,
         rollout_logp=rollout_logp,
+        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rlvr.training.batch import TrainBatch, check_temperature
+from rlvr.training.shared_prefix import pack_shared_prefixes
 
 
 def causal_lm(model: Any) -> Any:
@@ -58,31 +59,32 @@ def loss_token_stats(
     with_entropy: bool = True,
     recompute: bool = True,
     head_calls: int | None = None,
+    shared_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[b, t]`` (differentiable when grad is on) and entropies ``[b, t]`` (no grad;
     None without ``with_entropy``) of softmax(logits / ``temperature``) at
     ``batch.response_mask``, 0 elsewhere.
 
-    ``recompute`` False keeps every chunk's logits for backward instead (ZeRO-3 partitions a
-    frozen head's weight again before a recomputation runs). ``head_calls`` runs the head that
-    many times, the chunks the loss tokens need and then empty ones: under ZeRO-3 every call
-    gathers the head's weight collectively, so data-parallel ranks must call it equally often.
+    ``shared_prefix`` runs each prompt once for the rows that share it
+    (`shared_prefix.pack_shared_prefixes`). ``recompute`` False keeps every chunk's logits for
+    backward instead (ZeRO-3 partitions a frozen head's weight again before a recomputation
+    runs). ``head_calls`` runs the head that many times, the chunks the loss tokens need and
+    then empty ones: under ZeRO-3 every call gathers the head's weight collectively, so
+    data-parallel ranks must call it equally often.
     """
     check_temperature(temperature)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    # The whole model runs (a DeepSpeed engine's forward, with its ZeRO-3 hooks), its head on no
-    # position; the last hidden state is the final norm's output, the head's input.
-    nowhere = torch.zeros(0, dtype=torch.long, device=batch.input_ids.device)
-    hidden = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        use_cache=False,
-        output_hidden_states=True,
-        logits_to_keep=nowhere,
-    ).hidden_states[-1]
     rows, cols = batch.response_mask.nonzero(as_tuple=True)
-    predicting = hidden[rows, cols - 1]
+    if shared_prefix:
+        packed = pack_shared_prefixes(batch, causal_lm(model).dtype)
+        hidden = last_hidden_state(
+            model, packed.input_ids, packed.attention_mask, packed.position_ids
+        )
+        predicting = hidden[packed.predicting]
+    else:
+        hidden = last_hidden_state(model, batch.input_ids, batch.attention_mask)
+        predicting = hidden[rows, cols - 1]
     targets = batch.input_ids[rows, cols]
     needed = head_calls_needed(len(targets), chunk_tokens)
     if head_calls is not None and head_calls < needed:
@@ -108,6 +110,25 @@ def loss_token_stats(
     entropy = torch.zeros(shape, dtype=torch.float32, device=device)
     entropy[rows, cols] = torch.cat(entropies)
     return logp, entropy
+
+
+def last_hidden_state(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The final norm's output (the head's input) at every position: the whole model runs (a
+    DeepSpeed engine's forward, with its ZeRO-3 hooks) with its head on no position."""
+    nowhere = torch.zeros(0, dtype=torch.long, device=input_ids.device)
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=nowhere,
+    ).hidden_states[-1]
 
 
 def head_calls_needed(loss_tokens: int, chunk_tokens: int) -> int:

@@ -11,6 +11,7 @@ on CPU, NCCL on GPUs; a single rank is a one-process group.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import shutil
@@ -38,7 +39,10 @@ from rlvr.generation.base import scored_positions
 from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
 from rlvr.training.data_parallel import mini_batch_bounds, token_budget_rows
 from rlvr.training.lm_head import head_calls_needed, loss_token_stats
+from rlvr.training.shared_prefix import BLOCK_MASK_ATTENTION, packed_length, prompt_groups
 from rlvr.training.weight_sync import TensorSpec
+
+log = logging.getLogger(__name__)
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LrSchedule = Literal["constant", "linear", "cosine"]
@@ -111,7 +115,10 @@ class PolicyTrainer:
     gradient accumulation, scaled so the accumulated gradient equals that of its mini-batch's loss.
     ``lm_head_chunk`` applies the LM head only at loss tokens, that many at a time, recomputed in
     backward but under ZeRO-3 (`rlvr.training.lm_head`): no full logits tensor; log-probs are
-    then 0 off the loss tokens.
+    then 0 off the loss tokens. ``shared_prefix`` runs each prompt once for the rows of a
+    micro-batch that share it, behind a block mask (`rlvr.training.shared_prefix`; token-budget
+    micro-batches then keep prompt groups together), with the head as under ``lm_head_chunk``
+    (one chunk when that is 0).
     ``engine_is`` corrects the mismatch between the generation engine that sampled the rollouts
     and the trainer (`grpo.engine_is_weights`, cap ``engine_is_cap``) when the batch carries
     ``rollout_logp``. With ``lora`` enabled only the adapter trains and the reference policy is the
@@ -149,6 +156,7 @@ class PolicyTrainer:
         micro_batch_size: int = 8,
         micro_batch_tokens: int = 0,
         lm_head_chunk: int = 0,
+        shared_prefix: bool = False,
         dtype: Literal["float32", "bfloat16"] = "float32",
         seed: int = 0,
         kl_coef: float = 0.0,
@@ -188,6 +196,7 @@ class PolicyTrainer:
         self.micro_batch_size = micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
         self.lm_head_chunk = lm_head_chunk
+        self.shared_prefix = shared_prefix
         self.kl_coef = kl_coef
         self.clip_low = clip_low
         self.clip_high = clip_high
@@ -208,6 +217,14 @@ class PolicyTrainer:
         self._pad_id: int = self.tokenizer.eos_token_id if pad is None else pad
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
         self._hf_model: PreTrainedModel = model
+        attention = model.config._attn_implementation
+        if shared_prefix and attention not in BLOCK_MASK_ATTENTION:
+            log.warning(
+                "training.shared_prefix is off: the %s attention takes no block mask (%s do)",
+                attention,
+                " and ".join(BLOCK_MASK_ATTENTION),
+            )
+            self.shared_prefix = False
         self._ref_model: PreTrainedModel | None = None
         if lora is not None and lora.enabled:
             model = peft.get_peft_model(
@@ -255,12 +272,24 @@ class PolicyTrainer:
         if not self.micro_batch_tokens:
             size = self.micro_batch_size
             return [list(range(a, min(a + size, n))) for a in range(0, n, size)]
-        lengths = batch.attention_mask.sum(dim=1).tolist()
-        rows = token_budget_rows(lengths, self.micro_batch_tokens)
+        units, lengths = self._budget_units(batch)
+        parts = token_budget_rows(lengths, self.micro_batch_tokens)
         if self.world_size > 1:
-            count = int(self._all_reduce([len(rows)], "max")[0])
-            rows = token_budget_rows(lengths, self.micro_batch_tokens, count)
-        return rows
+            count = int(self._all_reduce([len(parts)], "max")[0])
+            if count > len(units):
+                # fewer prompt groups than micro-batches other ranks need: split them into rows
+                units = [[row] for row in range(n)]
+                lengths = batch.attention_mask.sum(dim=1).tolist()
+            parts = token_budget_rows(lengths, self.micro_batch_tokens, count)
+        return [[row for unit in part for row in units[unit]] for part in parts]
+
+    def _budget_units(self, batch: TrainBatch) -> tuple[list[list[int]], list[int]]:
+        """What token-budget micro-batches are made of, and each one's tokens: rows, or under
+        ``shared_prefix`` whole prompt groups at their packed length."""
+        if self.shared_prefix and batch.prompt_lens is not None:
+            groups = prompt_groups(batch)
+            return groups, [packed_length(batch, rows) for rows in groups]
+        return [[row] for row in range(len(batch))], batch.attention_mask.sum(dim=1).tolist()
 
     def _token_stats(
         self, model: Callable[..., Any], mb: TrainBatch, temperature: float, with_entropy: bool
@@ -268,19 +297,22 @@ class PolicyTrainer:
         """Log-probs and (with_entropy) entropies ``[b, t]`` of one micro-batch: through the LM
         head in chunks at the loss tokens only (`lm_head.loss_token_stats`, with
         ``lm_head_chunk``), else from the full logits tensor."""
-        if self.lm_head_chunk:
+        shared_prefix = self.shared_prefix and mb.prompt_lens is not None
+        if self.lm_head_chunk or shared_prefix:
+            chunk = self.lm_head_chunk or max(1, mb.num_loss_tokens)
             head_calls = None
             if self.zero_stage == 3 and self.world_size > 1:
-                needed = head_calls_needed(mb.num_loss_tokens, self.lm_head_chunk)
+                needed = head_calls_needed(mb.num_loss_tokens, chunk)
                 head_calls = int(self._all_reduce([needed], "max")[0])
             return loss_token_stats(
                 model,
                 mb,
                 temperature,
-                self.lm_head_chunk,
+                chunk,
                 with_entropy,
                 recompute=self.zero_stage != 3,
                 head_calls=head_calls,
+                shared_prefix=shared_prefix,
             )
         logits = model(
             input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
