@@ -1,6 +1,7 @@
 """Training step time with row micro-batches against token-budget micro-batches
 (`training.micro_batch_tokens`), each with and without the LM head at loss tokens only
-(`training.lm_head_chunk`), side by side in one process on one rollout batch.
+(`training.lm_head_chunk`) and with and without shared-prefix packing (`training.shared_prefix`),
+side by side in one process on one rollout batch.
 
     .venv/bin/python bench/micro_batches.py --config configs/smollm2-arith.yaml \
         --rollouts runs/smollm2-arith/rollouts.jsonl --budgets 1024 2048 --repeats 3
@@ -10,7 +11,7 @@ responses, re-tokenised, each after its own prompt) or, without it, response len
 uniformly from 1..max_tokens (seeded). Every setting gets its own PolicyTrainer from the same
 seed; the repeats alternate the settings' order and each times one `train_step` of the same
 batch. Reports medians of seconds per step, the padded tokens the forwards ran (rows x longest
-row, summed over micro-batches) against the real ones, the micro-batch count, the largest
+row, or packs x longest pack, summed over micro-batches) against the real ones, the micro-batch count, the largest
 micro-batch's padded tokens, and the fp32 logits held at once: the largest micro-batch's over
 every position, or with the chunked head one chunk's (what bounds a step's peak memory; the
 trainers share one process, whose resident size says nothing per setting).
@@ -70,6 +71,12 @@ def main() -> None:
         default=1024,
         help="also each setting with training.lm_head_chunk at this size (0: not)",
     )
+    parser.add_argument(
+        "--shared-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also each setting with training.shared_prefix",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     args = parser.parse_args()
@@ -79,6 +86,7 @@ def main() -> None:
     from rlvr.config import LoraConfig, load_config
     from rlvr.training.batch import build_batch
     from rlvr.training.policy_trainer import PolicyTrainer
+    from rlvr.training.shared_prefix import packed_length, prompt_groups
     from workflows.cli import ray_env
     from workflows.train import prepare
 
@@ -103,6 +111,12 @@ def main() -> None:
         head = {"lm_head_chunk": args.head_chunk}
         chunked = {f"{name} + head at loss tokens": {**kw, **head} for name, kw in settings.items()}
         settings.update(chunked)
+    if args.shared_prefix:
+        packed = {
+            f"{name} + shared prefix": {**kw, "shared_prefix": True}
+            for name, kw in settings.items()
+        }
+        settings.update(packed)
     trainers = {
         name: PolicyTrainer(
             model_dir,
@@ -134,7 +148,7 @@ def main() -> None:
         f"{'rollouts ' + str(args.rollouts) if args.rollouts else 'synthetic response lengths'}; "
         f"medians of {args.repeats} alternating steps after one warm-up each",
         "",
-        "| micro-batches | count | padded tokens | padding share | largest (tokens) | "
+        "| micro-batches | count | tokens run | run / real | largest (tokens) | "
         "logits held MiB | s/step | x rows |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -142,12 +156,18 @@ def main() -> None:
     vocab = trainers[names[0]].engine.module.get_output_embeddings().weight.shape[0]
     for name in names:
         plan = trainers[name]._micro_batches(batch)
-        sizes = [len(rows) * max(lengths[r] for r in rows) for rows in plan]
+        if settings[name].get("shared_prefix"):
+            packs = [
+                [packed_length(mb, g) for g in prompt_groups(mb)] for mb in map(batch.rows, plan)
+            ]
+        else:
+            packs = [[lengths[r] for r in rows] for rows in plan]
+        sizes = [len(p) * max(p) for p in packs]
         chunk = settings[name].get("lm_head_chunk", 0)
         held = min(chunk, batch.num_loss_tokens) if chunk else max(sizes)
         s = statistics.median(seconds[name])
         lines.append(
-            f"| {name} | {len(plan)} | {sum(sizes)} | {1 - real / sum(sizes):.1%} | "
+            f"| {name} | {len(plan)} | {sum(sizes)} | {sum(sizes) / real:.2f} | "
             f"{max(sizes)} | {held * vocab * 4 / 2**20:.0f} | {s:.2f} | {base_s / s:.2f} |"
         )
     table = "\n".join(lines)
