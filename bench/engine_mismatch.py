@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlvr.config import load_config
 from rlvr.generation import make_backend
-from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.generation.base import GenerationRequest
 from rlvr.tasks.prompts import render_prompt
 from rlvr.training.engine_mismatch import mismatch, results_batch, trainer_logprobs
 from workflows.cli import ray_env
@@ -61,9 +61,7 @@ def main() -> None:
         kv_cache_gib=g.kv_cache_gib,
         enforce_eager=True,
     )
-    params = SamplingParams(
-        temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens, stop=tuple(g.stop)
-    )
+    params = g.sampling_params(None)
     results = engine.generate(requests, params)
     engine.close()
     batch = results_batch(results, tokenizer.pad_token_id or 0)

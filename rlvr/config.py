@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlvr.algorithms import dro, duet, laconic
+from rlvr.generation.base import SamplingParams
 from rlvr.run.placement import GroupPlan, merge_bundles, plan_placement
 from rlvr.tasks.prompts import PROMPT_SLOT
 
@@ -155,6 +156,19 @@ class GenerationConfig(Section):
     )
     eval_samples: int = Field(1, gt=0, description="Samples per held-out problem (mean@k).")
     eval_temperature: float = Field(0.0, ge=0.0, description="Temperature for held-out evaluation.")
+
+    def sampling_params(
+        self, seed: int | None, temperature: float | None = None, top_p: float | None = None
+    ) -> SamplingParams:
+        """The rollout sampler (its temperature and top-p unless given) with the stop strings
+        every pass shares."""
+        return SamplingParams(
+            temperature=self.temperature if temperature is None else temperature,
+            top_p=self.top_p if top_p is None else top_p,
+            max_tokens=self.max_tokens,
+            seed=seed,
+            stop=tuple(self.stop),
+        )
 
     @model_validator(mode="after")
     def _check(self) -> GenerationConfig:

@@ -294,3 +294,13 @@ def test_the_method_is_picked_by_name():
         )
     with pytest.raises(ConfigError, match=r"algorithm\.name: unknown method 'ppo'; choose one of"):
         load_config(None, ["algorithm.name=ppo"])
+
+
+def test_sampling_params_carry_the_stop_strings_to_every_pass():
+    g = load_config(None, ['generation.stop=["\\nQuestion:"]', "generation.temperature=0.9"])
+    g = g.generation
+    rollout = g.sampling_params(7)
+    assert (rollout.temperature, rollout.top_p, rollout.seed) == (0.9, 1.0, 7)
+    assert rollout.stop == ("\nQuestion:",) and rollout.max_tokens == g.max_tokens
+    greedy = g.sampling_params(None, temperature=0.0, top_p=1.0)
+    assert (greedy.temperature, greedy.stop) == (0.0, ("\nQuestion:",))

@@ -28,7 +28,7 @@ from rlvr.algorithms.dro.rollouts import (
 from rlvr.algorithms.groups import group_rows
 from rlvr.config import Config
 from rlvr.generation import make_backend
-from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.generation.base import GenerationRequest
 from rlvr.run.files import atomic_write_text
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
@@ -61,13 +61,7 @@ def score_queries(
     tokenizer = backend.tokenizer
     tokens = DroTokens.from_tokenizer(tokenizer, d.delimiter, d.separator)
     refs = {p.id: reference_ids(tokenizer, reference_text(p, d.delimiter)) for p in problems}
-    params = SamplingParams(
-        temperature=g.temperature,
-        top_p=g.top_p,
-        max_tokens=g.max_tokens,
-        seed=cfg.run.seed,
-        stop=tuple(g.stop),
-    )
+    params = g.sampling_params(cfg.run.seed)
     sbar, mean_prob, mean_sigma = [], [], []
     for start in range(0, len(problems), FILTER_CHUNK):
         chunk = problems[start : start + FILTER_CHUNK]

@@ -87,27 +87,14 @@ class Trainer:
 
     def sampling_params(self, step: int) -> SamplingParams:
         """The training sampler of step `step`."""
-        g = self.cfg.generation
-        return SamplingParams(
-            temperature=g.temperature,
-            top_p=g.top_p,
-            max_tokens=g.max_tokens,
-            seed=sampling_seed(self.cfg.run.seed, step),
-            stop=tuple(g.stop),
-        )
+        return self.cfg.generation.sampling_params(sampling_seed(self.cfg.run.seed, step))
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out mean@k accuracy and mean response length of the policy alone, the method's
         validation figures beside them (`Method.evaluate`), and the name of the one that picks
         the best checkpoint."""
         g = self.cfg.generation
-        params = SamplingParams(
-            temperature=g.eval_temperature,
-            top_p=1.0,
-            max_tokens=g.max_tokens,
-            seed=EVAL_SEED,
-            stop=tuple(g.stop),
-        )
+        params = g.sampling_params(EVAL_SEED, temperature=g.eval_temperature, top_p=1.0)
         n = {p.id: g.eval_samples for p in self.test_problems}
         t0 = time.perf_counter()
         rollouts = self.services.generate(self.test_problems, n, params, step)

@@ -371,6 +371,8 @@ class PolicyTrainer:
         batch = build_batch(
             [list(s[:1]) for s in sequences], [list(s[1:]) for s in sequences], self._pad_id
         )
+        # the split after one token is no prompt: nothing is shared, so nothing is packed
+        batch.prompt_lens = None
         self.engine.eval()
         logp = self._logprobs_with(self.engine, batch, temperature=1.0)
         return [

@@ -27,6 +27,9 @@ OVERRIDES = [
     "generation.max_tokens=24",
     "resources.num_verifiers=1",
     "algorithm.dro.omega=1.0",
+    # each group's prompt runs once in training, in token-budget packs
+    "training.shared_prefix=true",
+    "training.micro_batch_tokens=256",
 ]
 
 

@@ -225,13 +225,7 @@ class Dro(Method):
         the validation reward that picks the best checkpoint (arXiv:2506.13351, App. F.2)."""
 
         g = self.cfg.generation
-        train_params = SamplingParams(
-            temperature=g.temperature,
-            top_p=g.top_p,
-            max_tokens=g.max_tokens,
-            seed=params.seed,
-            stop=tuple(g.stop),
-        )
+        train_params = g.sampling_params(params.seed)
         rollouts = run.generate(
             problems, {p.id: g.group_size for p in problems}, train_params, step
         )
