@@ -164,7 +164,12 @@ def main() -> None:
             packs = [[lengths[r] for r in rows] for rows in plan]
         sizes = [len(p) * max(p) for p in packs]
         chunk = settings[name].get("lm_head_chunk", 0)
-        held = min(chunk, batch.num_loss_tokens) if chunk else max(sizes)
+        if chunk:
+            held = min(chunk, batch.num_loss_tokens)
+        elif settings[name].get("shared_prefix"):  # the head runs at loss tokens, in one chunk
+            held = max(batch.rows(rows).num_loss_tokens for rows in plan)
+        else:
+            held = max(sizes)
         s = statistics.median(seconds[name])
         lines.append(
             f"| {name} | {len(plan)} | {sum(sizes)} | {sum(sizes) / real:.2f} | "
