@@ -11,10 +11,11 @@ responses, re-tokenised, each after its own prompt) or, without it, response len
 uniformly from 1..max_tokens (seeded). Every setting gets its own PolicyTrainer from the same
 seed; the repeats alternate the settings' order and each times one `train_step` of the same
 batch. Reports medians of seconds per step, the padded tokens the forwards ran (rows x longest
-row, or packs x longest pack, summed over micro-batches) against the real ones, the micro-batch count, the largest
-micro-batch's padded tokens, and the fp32 logits held at once: the largest micro-batch's over
-every position, or with the chunked head one chunk's (what bounds a step's peak memory; the
-trainers share one process, whose resident size says nothing per setting).
+row, or packs x longest pack, summed over micro-batches) against the real ones, the micro-batch
+count, the largest micro-batch's padded tokens, and the fp32 logits held at once: the largest
+micro-batch's over every position, with the chunked head one chunk's, with packing alone the
+largest micro-batch's loss tokens (what bounds a step's peak memory; the trainers share one
+process, whose resident size says nothing per setting).
 """
 
 from __future__ import annotations

@@ -295,8 +295,9 @@ class PolicyTrainer:
         self, model: Callable[..., Any], mb: TrainBatch, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs and (with_entropy) entropies ``[b, t]`` of one micro-batch: through the LM
-        head in chunks at the loss tokens only (`lm_head.loss_token_stats`, with
-        ``lm_head_chunk``), else from the full logits tensor."""
+        head at the loss tokens only (`lm_head.loss_token_stats`, in chunks of ``lm_head_chunk``,
+        one chunk when only ``shared_prefix`` asks for it; packed when the batch knows its
+        prompts), else from the full logits tensor."""
         shared_prefix = self.shared_prefix and mb.prompt_lens is not None
         if self.lm_head_chunk or shared_prefix:
             chunk = self.lm_head_chunk or max(1, mb.num_loss_tokens)
