@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-fast demo lint format bench clean
+.PHONY: setup test test-fast demo lint format bench clean trl-env
 
 setup: $(STAMP)
 
@@ -45,5 +45,17 @@ lint:
 format:
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
+# TRL in its own environment for bench/vs_trl.py only; never a dependency of the project.
+TRL_VENV := .venv-trl
+TRL_PIP := $(TRL_VENV)/bin/python -m pip install -q
+trl-env: $(TRL_VENV)/.installed-trl-1.16.0-peft-0.21.2
+
+$(TRL_VENV)/.installed-trl-1.16.0-peft-0.21.2:
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_PIP) --upgrade pip
+	$(TRL_PIP) torch==2.13.0
+	$(TRL_PIP) torch==2.13.0 trl==1.16.0 'transformers>=5.16.1,<5.20' peft==0.21.2 math-verify
+	touch $@
+
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) $(TRL_VENV) .cache runs
