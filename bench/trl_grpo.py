@@ -33,10 +33,13 @@ def boxed_reward(completions: list[str], answer: list[str], **_: object) -> list
 
 
 class TimedGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer that adds up the seconds of generation and of forward + loss per step."""
+    """GRPOTrainer that adds up the seconds of generation and of forward + loss, and the tokens
+    generated, since `StepTimer` last read them."""
 
-    seconds = {"generate": 0.0, "forward": 0.0}
-    tokens = 0
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seconds = {"generate": 0.0, "forward": 0.0}
+        self.tokens = 0
 
     def _generate_and_score_completions(self, inputs):
         t0 = time.perf_counter()
@@ -55,20 +58,16 @@ class TimedGRPOTrainer(GRPOTrainer):
 class StepTimer(TrainerCallback):
     """Writes one JSON line per optimizer step: its wall time and split."""
 
-    def __init__(self, trainer_cls: type[TimedGRPOTrainer], out: Path):
-        self.cls, self.out = trainer_cls, out
+    def __init__(self, trainer: TimedGRPOTrainer, out: Path):
+        self.trainer, self.out = trainer, out
         self.last = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.last = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        now = time.perf_counter()
-        step_s, gen, fwd = (
-            now - self.last,
-            self.cls.seconds["generate"],
-            self.cls.seconds["forward"],
-        )
+        now, t = time.perf_counter(), self.trainer
+        step_s, gen, fwd = now - self.last, t.seconds["generate"], t.seconds["forward"]
         record = {
             "step": state.global_step - 1,
             "time_step": step_s,
@@ -76,12 +75,11 @@ class StepTimer(TrainerCallback):
             "time_forward": fwd,
             "time_backward_optimizer": step_s - gen - fwd,
             "time_train": step_s - gen,
-            "tokens_generated": self.cls.tokens,
+            "tokens_generated": t.tokens,
         }
         with self.out.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        self.cls.seconds = {"generate": 0.0, "forward": 0.0}
-        self.cls.tokens = 0
+        t.seconds, t.tokens = {"generate": 0.0, "forward": 0.0}, 0
         self.last = now
 
 
@@ -132,7 +130,7 @@ def main() -> None:
             train_dataset=dataset,
             peft_config=peft,
         )
-        trainer.add_callback(StepTimer(TimedGRPOTrainer, Path(args.out)))
+        trainer.add_callback(StepTimer(trainer, Path(args.out)))
         trainer.train()
 
 
