@@ -15,7 +15,9 @@ row, or packs x longest pack, summed over micro-batches) against the real ones, 
 count, the largest micro-batch's padded tokens, and the fp32 logits held at once: the largest
 micro-batch's over every position, with the chunked head one chunk's, with packing alone the
 largest micro-batch's loss tokens (what bounds a step's peak memory; the trainers share one
-process, whose resident size says nothing per setting).
+process, whose resident size says nothing per setting). `--only` keeps the named settings (full
+fine-tuning holds an optimizer per setting); `--profile` adds one torch.profiler step per setting:
+self CPU seconds by kind of op, and each setting's costliest ops in a text file beside the table.
 """
 
 from __future__ import annotations
@@ -78,6 +80,14 @@ def main() -> None:
         default=True,
         help="also each setting with training.shared_prefix",
     )
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="run only these settings (names as in the table)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after timing, profile one step of each setting (torch.profiler; op tables to files)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     args = parser.parse_args()
@@ -118,6 +128,11 @@ def main() -> None:
             for name, kw in settings.items()
         }
         settings.update(packed)
+    if args.only:
+        unknown = sorted(set(args.only) - set(settings))
+        if unknown:
+            parser.error(f"--only: no setting named {unknown}; the settings are {list(settings)}")
+        settings = {name: settings[name] for name in args.only}
     trainers = {
         name: PolicyTrainer(
             model_dir,
@@ -176,11 +191,60 @@ def main() -> None:
             f"| {name} | {len(plan)} | {sum(sizes)} | {sum(sizes) / real:.2f} | "
             f"{max(sizes)} | {held * vocab * 4 / 2**20:.0f} | {s:.2f} | {base_s / s:.2f} |"
         )
-    table = "\n".join(lines)
-    print(table)
     OUT.mkdir(parents=True, exist_ok=True)
     kind = "lora" if lora.enabled else "full"
-    (OUT / f"{Path(args.config).stem}-{kind}.md").write_text(table + "\n")
+    stem = f"{Path(args.config).stem}-{kind}"
+    if args.profile:
+        lines += ["", *profile_table(trainers, batch, OUT / f"{stem}-profile")]
+    table = "\n".join(lines)
+    print(table)
+    (OUT / f"{stem}.md").write_text(table + "\n")
+
+
+OP_KINDS = (
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("attention", ("scaled_dot_product", "aten::_softmax", "aten::softmax")),
+    ("log-softmax / logsumexp", ("log_softmax", "logsumexp", "aten::gather", "aten::exp")),
+    ("optimizer", ("adam", "_foreach", "aten::addcdiv", "aten::addcmul", "aten::lerp")),
+    ("copies", ("aten::copy_", "aten::to", "aten::clone", "aten::cat", "aten::contiguous")),
+    ("communication", ("gloo", "c10d", "all_reduce", "reduce_scatter", "allgather")),
+    ("elementwise", ("aten::mul", "aten::add", "aten::silu", "aten::rsqrt", "aten::pow")),
+)
+
+
+def op_kind(name: str) -> str:
+    """Which kind of work a profiler op is (its first matching pattern), else "other"."""
+    low = name.lower()
+    for kind, patterns in OP_KINDS:
+        if any(p.lower() in low for p in patterns):
+            return kind
+    return "other"
+
+
+def profile_table(trainers: dict, batch, stem: Path) -> list[str]:
+    """One profiled `train_step` per setting: self CPU seconds by kind of op (a table), and the
+    25 costliest ops of each setting in `stem`-N.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kinds = [k for k, _ in OP_KINDS] + ["other"]
+    lines = [
+        "Self CPU seconds of one profiled step, by kind of op:",
+        "",
+        "| setting | " + " | ".join(kinds) + " | total |",
+        "|---|" + "---|" * (len(kinds) + 1),
+    ]
+    for i, (name, trainer) in enumerate(trainers.items()):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            trainer.train_step(batch)
+        averages = prof.key_averages()
+        by_kind = dict.fromkeys(kinds, 0.0)
+        for event in averages:
+            by_kind[op_kind(event.key)] += event.self_cpu_time_total / 1e6
+        table = averages.table(sort_by="self_cpu_time_total", row_limit=25)
+        Path(f"{stem}-{i}.txt").write_text(f"{name}\n{table}\n")
+        cells = " | ".join(f"{by_kind[k]:.2f}" for k in kinds)
+        lines.append(f"| {name} | {cells} | {sum(by_kind.values()):.2f} |")
+    return lines
 
 
 if __name__ == "__main__":

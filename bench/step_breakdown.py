@@ -10,6 +10,11 @@ correctness, not a speed-up).
     .venv/bin/python bench/step_breakdown.py --preset tiny --steps 6
     .venv/bin/python bench/step_breakdown.py --preset tiny --steps 4 --layouts 1x1 2x2
     .venv/bin/python bench/step_breakdown.py --preset smollm2 --steps 4
+    .venv/bin/python bench/step_breakdown.py --preset smollm2 --steps 4 --off-policy 1 2
+
+`--off-policy` adds modes that generate step t+1 while step t trains (`run.off_policy_steps: 1`),
+their actors with the given torch threads each (1 on 2 cores: generation and training split the
+cores); in such a step "generate" ran during the step before and is not part of its time.
 """
 
 from __future__ import annotations
@@ -29,7 +34,15 @@ PRESETS = {
     "tiny": ROOT / "configs" / "tiny.yaml",
     "smollm2": ROOT / "configs" / "smollm2-arith.yaml",
 }
-PARTS = ("time_generate", "time_verify", "time_train", "time_sync", "time_overhead", "time_step")
+PARTS = (
+    "time_generate",
+    "time_verify",
+    "time_train",
+    "time_wait_ahead",
+    "time_sync",
+    "time_overhead",
+    "time_step",
+)
 
 
 def layout_overrides(layout: str, share: float) -> list[str]:
@@ -44,7 +57,12 @@ def layout_overrides(layout: str, share: float) -> list[str]:
 
 
 def run(
-    preset: str, steps: int, warmup: int, overrides: list[str], layouts: list[str]
+    preset: str,
+    steps: int,
+    warmup: int,
+    overrides: list[str],
+    layouts: list[str],
+    off_policy_threads: list[int],
 ) -> dict[str, dict[str, float]]:
     import ray
     from transformers import AutoTokenizer
@@ -60,10 +78,10 @@ def run(
     init_ray(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     modes = {"actors": cfg, "in-process": cfg}
-    if layouts:
+    if layouts or off_policy_threads:
         # every mode's actors live at once: they share the machine's CPUs in the reservations
         bundles = 2 + sum(int(r) + int(e) for r, e in (x.split("x") for x in layouts))
-        share = (os.cpu_count() or 1) / bundles
+        share = (os.cpu_count() or 1) / (bundles + 2 * len(off_policy_threads))
         base = ["run.eval_every=0", *overrides]
         modes["actors"] = load_config(PRESETS[preset], [*base, *layout_overrides("1x1", share)])
         for layout in layouts:
@@ -71,6 +89,18 @@ def run(
             modes[f"actors {layout}"] = load_config(
                 PRESETS[preset],
                 [*base, *layout_overrides(layout, share), f"run.name={cfg.run.name}-{layout}"],
+            )
+        for threads in off_policy_threads:
+            # step t+1 generated during step t's training, each actor with `threads` threads
+            modes[f"off-policy {threads}t"] = load_config(
+                PRESETS[preset],
+                [
+                    *base,
+                    *layout_overrides("1x1", share),
+                    "run.off_policy_steps=1",
+                    f"resources.torch_threads={threads}",
+                    f"run.name={cfg.run.name}-off-policy-{threads}t",
+                ],
             )
     trainers = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +122,7 @@ def run(
     ray.shutdown()
     return {
         mode: {
-            **{p: statistics.median(m[p] for m in ms) for p in PARTS},
+            **{p: statistics.median(m.get(p, 0.0) for m in ms) for p in PARTS},
             "tokens_generated": sum(m["tokens_generated"] for m in ms),
             "reward_mean": statistics.fmean(m["reward_mean"] for m in ms),
         }
@@ -129,9 +159,17 @@ def main() -> None:
     ap.add_argument(
         "--layouts", nargs="*", default=[], help='scale-out layouts "RxE" (policy ranks x engines)'
     )
+    ap.add_argument(
+        "--off-policy",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="THREADS",
+        help="modes with run.off_policy_steps=1 and THREADS torch threads per actor (1: split cores)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="where the JSON result goes")
     args = ap.parse_args()
-    result = run(args.preset, args.steps, args.warmup, args.set, args.layouts)
+    result = run(args.preset, args.steps, args.warmup, args.set, args.layouts, args.off_policy)
     table = format_table(args.preset, result)
     print(table)
     out = Path(args.out)

@@ -727,6 +727,15 @@ class RunConfig(Section):
         gt=0,
         description="Step checkpoints to keep (the best by the method's validation metric is kept too).",
     )
+    off_policy_steps: Literal[0, 1] = Field(
+        0,
+        description=(
+            "1: generate step t+1's rollouts while step t trains, with the weights before step "
+            "t's update (one step stale; the engine importance weights of training.engine_is "
+            "correct for it); separate devices hide generation this way. 0: every step's rollouts "
+            "come from the weights it trains."
+        ),
+    )
 
 
 class Config(Section):
@@ -779,7 +788,24 @@ class Config(Section):
             self._check_duet()
         if method == "dro":
             self._check_dro()
+        if self.run.off_policy_steps:
+            self._check_off_policy()
         return self
+
+    def _check_off_policy(self) -> None:
+        from rlvr.algorithms.method import method_class
+
+        if not method_class(self.algorithm.name).overlaps_generation:
+            raise ValueError(
+                f"run.off_policy_steps: {self.algorithm.name} plans each step's rollouts from "
+                "the step before it, so the next step's cannot be generated ahead; use 0"
+            )
+        if self.resources.colocate:
+            raise ValueError(
+                "run.off_policy_steps: with resources.colocate each engine shares its rank's "
+                "device and sleeps while the rank trains, so generation cannot overlap training; "
+                "use 0"
+            )
 
     def _check_tensor_parallel(self) -> None:
         r = self.resources

@@ -34,6 +34,7 @@ from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.tasks.sampler import PromptSampler
 from rlvr.training.batch import TrainBatch, rows_that_train
+from workflows.ahead import AheadCollector
 from workflows.components import Components, start_components
 from workflows.services import RunServices
 
@@ -84,6 +85,9 @@ class Trainer:
             sampler=self.sampler,
         )
         self.method.start(self.services)
+        self.ahead = (
+            AheadCollector(self.method, self.services) if self.cfg.run.off_policy_steps else None
+        )
 
     def sampling_params(self, step: int) -> SamplingParams:
         """The training sampler of step `step`."""
@@ -123,13 +127,28 @@ class Trainer:
 
         with timed(times, "time_plan"):
             plan = comps.controller.plan_step(step, [p.id for p in problems])
-        got = method.collect(self.services, problems, plan, self.sampling_params(step), step, times)
+        ahead = self.ahead.take(step, plan["n"]) if self.ahead else None
+        if ahead is None:
+            got = method.collect(
+                self.services, problems, plan, self.sampling_params(step), step, times
+            )
+        else:
+            got = ahead.collected
         batch, shape_stats = (
             method.shape(self.services, got.trained, plan, step) if len(got.trained) else (None, {})
         )
+        if self.ahead and step + 1 < cfg.run.steps:
+            # step t+1's rollouts, on the weights before this step's update, while it trains
+            nxt = step + 1
+            self.ahead.launch(
+                nxt, self.sampler.batch(nxt), self.sampling_params(nxt), cfg.generation.group_size
+            )
         with timed(times, "time_train"):
             train_stats = self.train(batch, len(got.trained), step)
         logprob_sums = train_stats.pop("logprob_sums", None)
+        if self.ahead:
+            with timed(times, "time_wait_ahead"):
+                self.ahead.wait()
         with timed(times, "time_sync"):
             self.sync_weights(step)
 
@@ -145,7 +164,12 @@ class Trainer:
         metrics.update(times)
         metrics["time_step"] = total
         metrics["time_overhead"] = total - sum(times.values())
-        metrics["tokens_per_s"] = metrics["tokens_generated"] / max(times["time_generate"], 1e-9)
+        if ahead is not None:
+            # this step's rollouts were collected during the last one: their seconds are
+            # reported, but they are not part of this step's time
+            metrics.update(ahead.times)
+        metrics["rollouts_collected_ahead"] = int(ahead is not None)
+        metrics["tokens_per_s"] = metrics["tokens_generated"] / max(metrics["time_generate"], 1e-9)
 
         comps.controller.observe_step(
             step,
@@ -205,6 +229,8 @@ class Trainer:
                 "best_metric": self.method.best_metric,
             }
             atomic_write_text(d / "progress.json", json.dumps(progress))
+            if self.ahead:
+                self.ahead.save(d)
         self.run.prune(self.cfg.run.keep_last, keep={best_step} if best_step is not None else set())
 
     def restore(self, step: int) -> int | None:
@@ -222,6 +248,8 @@ class Trainer:
             )
         self.comps.policy.load_state(str(d / "policy"))
         self.comps.controller.load_state_dict(json.loads((d / "controller.json").read_text()))
+        if self.ahead:
+            self.ahead.load(d)
         return progress["best_step"]
 
 
@@ -376,6 +404,8 @@ def train(
     finally:
         writer.close()
         comps.shutdown()
+        if trainer.ahead:
+            trainer.ahead.close()
 
 
 def _log_scalars(writer: Any, metrics: dict[str, Any], step: int) -> None:

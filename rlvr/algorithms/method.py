@@ -132,6 +132,9 @@ class Method:
     """Whether the loss normaliser counts rows without loss tokens (they must reach the trainer)."""
     senior_tokens_only: ClassVar[bool] = False
     """Whether the PolicyActor must train only on the senior's tokens of co-written rollouts."""
+    overlaps_generation: ClassVar[bool] = True
+    """Whether step t+1's rollouts may be collected while step t trains (`run.off_policy_steps`):
+    its `collect` needs only the fixed group size from the plan, never state `observe` updates."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg

@@ -58,14 +58,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(
     """Kill the driver after step 1 commits; resuming must end bit-identical to the full run."""
     uninterrupted = tiny_run_dir
     proc = run_cli(tiny_train_args(tmp_path, "run.steps=4"))
-    ckpt = tmp_path / "full" / "checkpoints" / "step_000001"
-    deadline = time.monotonic() + 900
-    while not ckpt.is_dir():
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    _kill_after_commit(proc, tmp_path / "full" / "checkpoints" / "step_000001")
     resumed = run_cli(["train", "--resume", str(tmp_path / "full")])
     log, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, log[-4000:]
@@ -82,6 +75,49 @@ def test_interrupted_and_resumed_equals_uninterrupted(
     wa = load_file(uninterrupted / "final" / "model.safetensors")
     wb = load_file(tmp_path / "full" / "final" / "model.safetensors")
     assert wa.keys() == wb.keys()
+    for k in wa:
+        assert (wa[k] == wb[k]).all(), k
+
+
+def _kill_after_commit(proc, ckpt) -> None:
+    deadline = time.monotonic() + 900
+    while not ckpt.is_dir():
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def test_off_policy_run_resumes_exactly(tmp_path, run_cli, tiny_train_args):
+    """run.off_policy_steps=1: each later step trains on rollouts collected while the step before
+    it trained. Killed once step 0 commits (its checkpoint holds step 1's rollouts), the resumed
+    run ends bit-identical to the uninterrupted one."""
+    extra = ("run.steps=3", "run.off_policy_steps=1")
+    full = run_cli(tiny_train_args(tmp_path / "a", *extra))
+    log, _ = full.communicate(timeout=900)
+    assert full.returncode == 0, log[-4000:]
+    proc = run_cli(tiny_train_args(tmp_path / "b", *extra))
+    ckpt = tmp_path / "b" / "full" / "checkpoints" / "step_000000"
+    _kill_after_commit(proc, ckpt)
+    assert (ckpt / "ahead.pkl").is_file()
+    resumed = run_cli(["train", "--resume", str(tmp_path / "b" / "full")])
+    log, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, log[-4000:]
+
+    a, b = (
+        [json.loads(x) for x in (tmp_path / d / "full" / "metrics.jsonl").read_text().splitlines()]
+        for d in ("a", "b")
+    )
+    assert [m["rollouts_collected_ahead"] for m in a] == [0, 1, 1]
+    for m in a[1:]:
+        # collected during the step before: not part of this step's time
+        assert m["time_generate"] > 0 and m["time_wait_ahead"] >= 0
+    assert [_deterministic(m) for m in a] == [_deterministic(m) for m in b]
+    last = tmp_path / "a" / "full" / "checkpoints" / "step_000002"
+    assert not (last / "ahead.pkl").exists()  # the last step collects nothing ahead
+    wa = load_file(tmp_path / "a" / "full" / "final" / "model.safetensors")
+    wb = load_file(tmp_path / "b" / "full" / "final" / "model.safetensors")
     for k in wa:
         assert (wa[k] == wb[k]).all(), k
 

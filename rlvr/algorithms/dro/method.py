@@ -108,6 +108,7 @@ class Dro(Method):
     best_metric = "eval_r3"
     policy_loss = "dro"
     trains_every_row = True
+    overlaps_generation = False  # R3 may be read through the policy, which is training then
 
     def __init__(self, cfg: Config) -> None:
 

@@ -20,6 +20,7 @@ class Duet(Method):
     sums."""
 
     needs_logprob_sums = True
+    overlaps_generation = False  # each step's counts and stop rule come from the last's update
 
     def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
         stop = self.cfg.duet_stop(plan["duet"]["k1"], plan["duet"]["k2"], step)
