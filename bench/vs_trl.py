@@ -3,7 +3,9 @@
 Both train SmolLM2-135M-Instruct (fp32) on the demo's arithmetic prompts, rendered through the same
 chat template: P prompts x G samples of at most N new tokens at T = 1 (top-p 1) per optimizer step,
 token-mean loss, no KL, one optimizer step per batch, full fine-tuning (or `--lora`: the preset's
-adapters, the same modules and layers in both). TRL runs in its own environment (`make trl-env`),
+adapters, the same modules and layers in both). The project's one policy rank runs DeepSpeed at
+ZeRO stage 0: on one rank ZeRO partitions nothing and only adds gradient copies (`--set
+training.zero_stage=2` shows them). TRL runs in its own environment (`make trl-env`),
 8 completions per forward/backward; the project runs its actors (vLLM engine, DeepSpeed policy,
 verifier pool) with the preset's training settings. Each side runs in a child process, the sides
 alternating over `--repeats`; the first `--warmup` steps of each child are left out and the table
@@ -34,11 +36,12 @@ BEFORE = [
     "training.micro_batch_tokens=0",
     "training.lm_head_chunk=0",
     "training.shared_prefix=false",
+    "training.zero_stage=2",
 ]
 SIDES = {"trl": None, "project": [], "project-before": BEFORE}
 """Each side and its project overrides: "project-before" turns off the trainer's optimisations
-(token-budget micro-batches, LM head at loss tokens, shared-prefix packs): 8 rows per forward and
-full logits, as TRL runs them."""
+(token-budget micro-batches, LM head at loss tokens, shared-prefix packs, ZeRO stage 0 on one
+rank): 8 rows per forward and full logits, as TRL runs them, under ZeRO-2."""
 LABELS = {"trl": "TRL GRPOTrainer", "project": "project", "project-before": "project, before"}
 PARTS = ("time_step", "time_generate", "time_train", "time_sync")
 
@@ -93,6 +96,8 @@ def bench_config(lora: bool, steps: int, overrides: list[str]):
             "training.lr=1e-6",
             "training.loss_agg=token-mean",
             "training.kl_coef=0.0",
+            # one policy rank: ZeRO has nothing to partition, only gradient copies to add
+            "training.zero_stage=0",
             "run.eval_every=0",
             f"run.steps={steps}",
             "run.name=vs-trl",

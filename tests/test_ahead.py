@@ -140,3 +140,19 @@ def test_off_policy_is_accepted_for_methods_that_overlap(preset, overrides):
     ).run.off_policy_steps
     with pytest.raises(ConfigError, match="run.off_policy_steps"):
         load_config(CONFIGS / preset, ["run.off_policy_steps=2", *overrides])
+
+
+def test_overlapped_roles_share_the_cores(monkeypatch):
+    from workflows.components import torch_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    on_policy = load_config(CONFIGS / "tiny.yaml", ["resources.policy_ranks=2"])
+    assert torch_threads(on_policy, on_policy.resources.policy_ranks) == 4  # phases take turns
+    overlapped = load_config(
+        CONFIGS / "tiny.yaml", ["resources.policy_ranks=2", "run.off_policy_steps=1"]
+    )
+    assert torch_threads(overlapped, 2) == 8 // 3  # 2 ranks and 1 engine compute at once
+    pinned = load_config(
+        CONFIGS / "tiny.yaml", ["run.off_policy_steps=1", "resources.torch_threads=3"]
+    )
+    assert torch_threads(pinned, 1) == 3

@@ -106,7 +106,11 @@ class Components:
 def torch_threads(cfg: Config, concurrent: int = 1) -> int:
     """Torch threads per model actor: `resources.torch_threads`, else this machine's cores shared
     by the `concurrent` actors of one role that compute at once (policy ranks train together,
-    engines generate together; the phases of a step take turns)."""
+    engines generate together; the phases of a step take turns). With `run.off_policy_steps`
+    the engines generate while the ranks train, so every rank and engine shares the cores
+    (oversubscribed threads made the overlapped step 2x slower: bench/step_breakdown.py)."""
+    if cfg.run.off_policy_steps:
+        concurrent = cfg.resources.policy_ranks + cfg.resources.generator_engines
     return cfg.resources.torch_threads or max(1, (os.cpu_count() or 1) // concurrent)
 
 

@@ -207,6 +207,13 @@ class PolicyTrainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = torch.device(get_accelerator().current_device_name())
+        if zero_stage and self.world_size == 1 and not self.use_lora:
+            log.warning(
+                "training.zero_stage=%d on one policy rank partitions nothing, yet copies every "
+                "gradient into ZeRO's buckets and keeps a second fp32 copy of the weights; "
+                "zero_stage 0 trains the same faster there (bench/micro_batches.py)",
+                zero_stage,
+            )
 
         # Seeded before any weight is created, so LoRA's random A init is reproducible.
         torch.manual_seed(seed)

@@ -359,3 +359,19 @@ def test_two_ranks_give_the_one_process_step(model_dir, tmp_path):
     # Step 2 runs on weights updated by step 1, so matching it checks the update too.
     for got, want in zip(metrics, expected, strict=True):
         assert scalars(got) == pytest.approx(scalars(want), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        ({"zero_stage": 2}, True),
+        ({"zero_stage": 0}, False),
+        ({"zero_stage": 2, "lora": LoraConfig(enabled=True, r=4, alpha=8)}, False),
+    ],
+)
+def test_zero_on_one_rank_of_full_fine_tuning_says_it_only_costs(
+    model_dir, caplog, overrides, warned
+):
+    with caplog.at_level("WARNING", logger="rlvr.training.policy_trainer"):
+        make_trainer(model_dir, **overrides)
+    assert ("partitions nothing" in caplog.text) is warned
