@@ -74,6 +74,26 @@ def test_bad_bodies_are_400_naming_the_field(body, param):
     assert err.body()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "\\ud800 hi"}]}',
+            "not valid Unicode",
+        ),
+        ('{"model": "m", "\\udc80": 1}', "not valid Unicode"),
+        ('{"model": "m", "max_tokens": ' + "9" * 5001 + "}", "unreadable value"),
+        ('{"model": "m", "metadata": ' + "[" * 30000 + "]" * 30000 + "}", "nests too deeply"),
+    ],
+    ids=["lone surrogate", "surrogate key", "5001-digit integer", "30000-deep nesting"],
+)
+def test_hostile_bodies_are_400_before_any_field_is_read(body, message):
+    """Each of these was a 500 once (a hostile client's fuzz run): JSON that parses into what no
+    tokenizer or int() takes, or that the parser cannot descend."""
+    err = api_error(body)
+    assert err.status == 400 and message in err.body()["error"]["message"]
+
+
 def test_unused_openai_fields_are_ignored_and_parts_are_joined():
     req = parse_body(
         json.dumps(
@@ -248,3 +268,16 @@ def test_serve_config_names_bad_keys(tmp_path):
         load_serve_config(dup)
     with pytest.raises(ConfigError, match="4 CPUs requested but 2"):
         load_serve_config(None, ["replicas.num_replicas=4"]).check_cpus(2)
+
+
+def test_a_server_defect_is_still_a_json_error():
+    import asyncio
+
+    from workflows.serve import _respond
+
+    async def defect() -> dict:
+        raise KeyError("a bug")
+
+    response = asyncio.run(_respond(defect))
+    assert response.status_code == 500
+    assert json.loads(response.body)["error"]["type"] == "server_error"

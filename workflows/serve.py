@@ -185,6 +185,10 @@ async def _respond(
         response = JSONResponse(await work())
     except ApiError as err:
         response = JSONResponse(err.body(), status_code=err.status)
+    except Exception:  # a defect, not the client's: logged, and still an OpenAI-style body
+        log.exception("request failed")
+        err = ApiError(500, "internal server error", kind="server_error")
+        response = JSONResponse(err.body(), status_code=500)
     if timing:
         response.headers["Server-Timing"] = ", ".join(
             f"{name};dur={seconds * 1e3:.3f}" for name, seconds in timing.items()

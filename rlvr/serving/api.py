@@ -146,8 +146,20 @@ def parse_body(raw: bytes, schema: type[T]) -> T:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ApiError(400, f"request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "request body nests too deeply", code="invalid_json") from None
+    except ValueError as err:  # an integer past Python's digit limit for int(str)
+        raise ApiError(
+            400, f"request body holds an unreadable value: {err}", code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    if not _valid_unicode(data):
+        raise ApiError(
+            400,
+            "request body holds text that is not valid Unicode (a lone surrogate)",
+            code="invalid_json",
+        )
     try:
         return schema.model_validate(data)
     except ValidationError as err:
@@ -157,6 +169,26 @@ def parse_body(raw: bytes, schema: type[T]) -> T:
             f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in err.errors()
         )
         raise ApiError(400, f"invalid request: {problems}", param=param) from None
+
+
+def _valid_unicode(data: Any) -> bool:
+    """Whether every string (and key) in parsed JSON encodes as UTF-8: JSON's \\uD800-style
+    escapes can produce lone surrogates, which no tokenizer takes. Iterative: the parser already
+    bounded the depth, and this walk adds no recursion."""
+    stack = [data]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+    return True
 
 
 @dataclass(frozen=True)
