@@ -155,11 +155,21 @@ def prepare_serve(cfg: ServeConfig) -> PreparedServe:
 
 # --------------------------------------------------------------------------- the deployment
 
-api = FastAPI(title="rlvr CSA server")
+# No /docs, /redoc or /openapi.json: the server answers only what it serves.
+api = FastAPI(title="rlvr CSA server", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) before reading it all."""
+    """The request body, refusing more than `limit` bytes (413) before reading it all, and any
+    body not declared JSON (415): a form or text/plain post is what a browser may send
+    cross-site without asking, a JSON one it may not."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(
+            415,
+            "request body must be JSON, sent with Content-Type: application/json",
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():

@@ -317,9 +317,39 @@ def bad_requests(server) -> list[tuple[str, str, dict, int]]:
     big = json.dumps(chat | {"messages": [{"role": "user", "content": "x" * 70000}]})
     chunks = [big[i : i + 8192].encode() for i in range(0, len(big), 8192)]
     cc, cp, fb = "/v1/chat/completions", "/v1/completions", "/v1/feedback"
+    as_json = {"content-type": "application/json"}
+    text = json.dumps(chat)
     return [
-        ("POST", cc, {"content": b"{not json"}, 400),
-        ("POST", cc, {"content": b"[1, 2]"}, 400),
+        ("POST", cc, {"content": b"{not json", "headers": as_json}, 400),
+        ("POST", cc, {"content": b"[1, 2]", "headers": as_json}, 400),
+        # once 500s: a lone surrogate, an integer past int()'s digits, nesting past the parser
+        (
+            "POST",
+            cc,
+            {"content": text.replace("1+1?", "\\ud800").encode(), "headers": as_json},
+            400,
+        ),
+        (
+            "POST",
+            cc,
+            {
+                "content": text[:-1].encode() + b', "seed": ' + b"9" * 5001 + b"}",
+                "headers": as_json,
+            },
+            400,
+        ),
+        (
+            "POST",
+            cc,
+            {"content": b'{"metadata": ' + b"[" * 30000 + b"]" * 30000 + b"}", "headers": as_json},
+            400,
+        ),
+        # a browser's cross-site post without a preflight, and no type at all
+        ("POST", cc, {"content": text.encode(), "headers": {"content-type": "text/plain"}}, 415),
+        ("POST", fb, {"data": {"seq": "0", "passed": "true", "stream": "bad"}}, 415),
+        ("POST", cc, {"content": text.encode()}, 415),
+        ("GET", "/docs", {}, 404),
+        ("GET", "/openapi.json", {}, 404),
         ("POST", cc, {"json": {"model": model}}, 400),
         ("POST", cc, {"json": chat | {"messages": "hi"}}, 400),
         ("POST", cc, {"json": chat | {"messages": []}}, 400),
@@ -331,8 +361,8 @@ def bad_requests(server) -> list[tuple[str, str, dict, int]]:
         ("POST", cc, {"json": chat | {"temperature": "hot"}}, 400),
         ("POST", cc, {"json": chat | {"model": "gpt-x"}}, 404),
         ("POST", cc, {"json": chat | {"metadata": {"csa_stream": "nope"}}}, 404),
-        ("POST", cc, {"content": big.encode()}, 413),
-        ("POST", cc, {"content": iter(chunks)}, 413),
+        ("POST", cc, {"content": big.encode(), "headers": as_json}, 413),
+        ("POST", cc, {"content": iter(chunks), "headers": as_json}, 413),
         ("POST", cp, {"json": {"model": model, "prompt": 5}}, 400),
         ("POST", cp, {"json": {"model": model, "prompt": ["a", "b"]}}, 400),
         ("POST", fb, {"json": {}}, 400),
