@@ -5,6 +5,8 @@ where generation can overlap training."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,18 @@ class RecordingMethod:
         return Collected(rollouts={"step": step}, trained={"step": step}, stats={"k": step})
 
 
+@contextmanager
+def released_collector(fail: bool = False) -> Iterator[AheadCollector]:
+    """A collector over a `RecordingMethod` that collects at once; closed on exit."""
+    method = RecordingMethod(fail=fail)
+    method.gate.set()
+    ahead = AheadCollector(method, services=None)
+    try:
+        yield ahead
+    finally:
+        ahead.close()
+
+
 def test_launch_collects_in_another_thread_and_take_hands_it_over():
     method = RecordingMethod()
     ahead = AheadCollector(method, services=None)
@@ -55,53 +69,40 @@ def test_launch_collects_in_another_thread_and_take_hands_it_over():
 
 
 def test_take_of_another_step_or_nothing_pending_is_none():
-    method = RecordingMethod()
-    method.gate.set()
-    ahead = AheadCollector(method, services=None)
-    assert ahead.take(0, {}) is None
-    ahead.launch(2, PROBLEMS, params=None, group_size=4)
-    assert ahead.take(3, {p.id: 4 for p in PROBLEMS}) is None  # dropped: it is not step 3's
-    assert ahead.pending is None
-    ahead.close()
+    with released_collector() as ahead:
+        assert ahead.take(0, {}) is None
+        ahead.launch(2, PROBLEMS, params=None, group_size=4)
+        assert ahead.take(3, {p.id: 4 for p in PROBLEMS}) is None  # dropped: not step 3's
+        assert ahead.pending is None
 
 
 def test_a_plan_that_differs_from_what_was_collected_fails():
-    method = RecordingMethod()
-    method.gate.set()
-    ahead = AheadCollector(method, services=None)
-    ahead.launch(1, PROBLEMS, params=None, group_size=4)
-    with pytest.raises(RuntimeError, match="planned"):
-        ahead.take(1, {"p0": 4, "p1": 4, "p2": 2})
-    ahead.close()
+    with released_collector() as ahead:
+        ahead.launch(1, PROBLEMS, params=None, group_size=4)
+        with pytest.raises(RuntimeError, match="planned"):
+            ahead.take(1, {"p0": 4, "p1": 4, "p2": 2})
 
 
 def test_an_error_of_the_collection_surfaces_on_wait():
-    method = RecordingMethod(fail=True)
-    method.gate.set()
-    ahead = AheadCollector(method, services=None)
-    ahead.launch(1, PROBLEMS, params=None, group_size=4)
-    with pytest.raises(RuntimeError, match="engine lost"):
-        ahead.wait()
-    ahead.close()
+    with released_collector(fail=True) as ahead:
+        ahead.launch(1, PROBLEMS, params=None, group_size=4)
+        with pytest.raises(RuntimeError, match="engine lost"):
+            ahead.wait()
 
 
 def test_checkpoint_round_trip(tmp_path):
-    method = RecordingMethod()
-    method.gate.set()
-    ahead = AheadCollector(method, services=None)
-    ahead.save(tmp_path)  # nothing pending: nothing written
-    assert not (tmp_path / AHEAD_FILE).exists()
-    ahead.launch(6, PROBLEMS, params=None, group_size=4)
-    ahead.save(tmp_path)  # waits for the collection, then writes it
-    ahead.close()
+    with released_collector() as ahead:
+        ahead.save(tmp_path)  # nothing pending: nothing written
+        assert not (tmp_path / AHEAD_FILE).exists()
+        ahead.launch(6, PROBLEMS, params=None, group_size=4)
+        ahead.save(tmp_path)  # waits for the collection, then writes it
 
-    restored = AheadCollector(RecordingMethod(), services=None)
-    restored.load(tmp_path)
-    got = restored.take(6, {p.id: 4 for p in PROBLEMS})
-    assert got.collected.stats == {"k": 6} and got.times == {"time_generate": 1.5}
-    restored.load(tmp_path / "missing")  # a checkpoint without one: the next step collects
-    assert restored.pending is None
-    restored.close()
+    with released_collector() as restored:
+        restored.load(tmp_path)
+        got = restored.take(6, {p.id: 4 for p in PROBLEMS})
+        assert got.collected.stats == {"k": 6} and got.times == {"time_generate": 1.5}
+        restored.load(tmp_path / "missing")  # a checkpoint without one: the next step collects
+        assert restored.pending is None
 
 
 @pytest.mark.parametrize(

@@ -80,9 +80,8 @@ class AheadCollector:
         """Write the finished next step's rollouts into a checkpoint being committed."""
         if self.pending is None:
             return
-        self.wait()
-        ahead = Ahead(self.pending.step, self.pending.n, self.pending.times, self.pending.collected)
-        (directory / AHEAD_FILE).write_bytes(pickle.dumps(ahead))
+        self.wait()  # finished: no future left to pickle
+        (directory / AHEAD_FILE).write_bytes(pickle.dumps(self.pending))
 
     def load(self, directory: Path) -> None:
         """Take back the rollouts a committed checkpoint holds for its next step (none: the
