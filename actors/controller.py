@@ -88,11 +88,13 @@ class ControllerActor:
     ) -> dict[str, Any]:
         return self._csa().open_stream(name, StreamSpec.from_dict(spec), policy, scorer)
 
-    def csa_decide(self, name: str, score: float) -> dict[str, Any]:
-        return self._csa().decide(name, score)
+    def csa_decide(self, name: str, score: float, source: str = "feedback") -> dict[str, Any]:
+        return self._csa().decide(name, score, source)
 
-    def csa_observe(self, name: str, seq: int, passed: bool) -> dict[str, Any]:
-        return self._csa().observe(name, seq, passed)
+    def csa_observe(
+        self, name: str, seq: int, passed: bool, source: str = "feedback"
+    ) -> dict[str, Any]:
+        return self._csa().observe(name, seq, passed, source)
 
     def csa_switch_versions(
         self,

@@ -25,7 +25,9 @@ from rlvr.generation.base import (
     SamplingParams,
     StopRuleFactory,
 )
+from rlvr.memory import release_free_heap
 from rlvr.training import weight_sync
+from rlvr.training.rendezvous import bind_collectives
 
 
 class GeneratorActor:
@@ -35,10 +37,15 @@ class GeneratorActor:
         model_path: str,
         threads: int,
         tandem: dict[str, Any] | None = None,
+        address: str | None = None,
         **backend_kwargs: Any,
     ):
-        """`tandem` ({"junior_path", "p", "cap"}) starts the engine with Tandem's junior."""
+        """`tandem` ({"junior_path", "p", "cap"}) starts the engine with Tandem's junior.
+        `address`: where the engine's gloo / NCCL groups and the weight group listen (None: they
+        choose)."""
         torch.set_num_threads(threads)
+        if address is not None:
+            bind_collectives(address)
         if tandem is not None:
             backend_kwargs["junior_path"] = tandem["junior_path"]
         self.backend = make_backend(backend, model_path, **backend_kwargs)
@@ -84,6 +91,9 @@ class GeneratorActor:
         results = self.backend.generate(requests, params, stop_rule_factory, schedule=schedule)
         self.seconds += time.perf_counter() - t
         self.tokens += sum(len(s.token_ids) for r in results for s in r.samples)
+        # The step's logits and sampler buffers are free now; the engine idles while the policy
+        # trains, and should not hold them meanwhile.
+        release_free_heap()
         return results
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -97,6 +107,7 @@ class GeneratorActor:
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor]) -> int:
         self.backend.load_weights(named_tensors.items())
+        release_free_heap()  # the loader's staging copies
         self.weight_version += 1
         return self.weight_version
 
@@ -129,6 +140,7 @@ class GeneratorActor:
         device = weight_sync.local_device()
         with weight_sync.BucketReceiver(self._weight_group, buckets, device) as received:
             self.backend.load_weights(received, names=received.names)
+        release_free_heap()  # the received buckets and the loader's staging copies
         self.weight_version += 1
         return {
             "version": self.weight_version,
@@ -152,6 +164,7 @@ class GeneratorActor:
         device = weight_sync.local_device()
         with weight_sync.SharedBucketReceiver(buckets, fetch, device) as received:
             self.backend.load_weights(received, names=received.names)
+        release_free_heap()  # the received buckets and the loader's staging copies
         self.weight_version += 1
         return {
             "version": self.weight_version,

@@ -18,8 +18,10 @@ import torch
 
 from rlvr.algorithms.tandem import senior_loss_mask
 from rlvr.config import LoraConfig
+from rlvr.memory import release_free_heap
 from rlvr.training import weight_sync
 from rlvr.training.batch import TrainBatch
+from rlvr.training.rendezvous import bind_collectives
 
 
 class PolicyActor:
@@ -30,12 +32,18 @@ class PolicyActor:
         lora: dict[str, Any] | None = None,
         tandem: bool = False,
         distributed: dict[str, str] | None = None,
+        address: str | None = None,
         **trainer_kwargs: Any,
     ):
         """`distributed`: this rank's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK,
-        set before DeepSpeed starts (None: a one-process group)."""
+        set before DeepSpeed starts (None: a one-process group). `address`: where this rank's
+        gloo / NCCL groups and, on rank 0, the weight sync's store listen (None: the groups
+        choose, the store takes the node's IP)."""
         torch.set_num_threads(threads)
         os.environ.update(distributed or {})
+        if address is not None:
+            bind_collectives(address)
+        self.address = address
         self.tandem = tandem
         from rlvr.training.policy_trainer import PolicyTrainer
 
@@ -47,7 +55,9 @@ class PolicyActor:
         return True
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self.trainer.logprobs(batch)
+        logprobs = self.trainer.logprobs(batch)
+        release_free_heap()
+        return logprobs
 
     def score_logprobs(
         self, sequences: list[list[int]], positions: list[list[int]]
@@ -60,7 +70,10 @@ class PolicyActor:
         if self.tandem:
             mask = senior_loss_mask(batch.response_mask, batch.authorship)
             batch = replace(batch, response_mask=mask)
-        return self.trainer.train_step(batch, logprob_sums=logprob_sums)
+        stats = self.trainer.train_step(batch, logprob_sums=logprob_sums)
+        # Activations and logits are free now; the rank idles while the engines sample.
+        release_free_heap()
+        return stats
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The merged weights from rank 0; every rank joins the ZeRO-3 gathers and the others
@@ -80,11 +93,11 @@ class PolicyActor:
         return str(Path(directory))
 
     def weight_sync_address(self, world_size: int, timeout_s: float) -> tuple[str, int]:
-        """Policy rank 0: serve the weight group's rendezvous on this node; returns the (address,
-        port) the engines join (`rlvr.training.weight_sync`)."""
+        """Policy rank 0: serve the weight group's rendezvous on this rank's address; returns the
+        (address, port) the engines join (`rlvr.training.weight_sync`)."""
         if self.trainer.rank != 0:
             raise RuntimeError(f"policy rank 0 sends the weights, not rank {self.trainer.rank}")
-        host = ray.util.get_node_ip_address()
+        host = self.address or ray.util.get_node_ip_address()
         self._weight_store = weight_sync.serve_store(host, world_size, timeout_s)
         return host, self._weight_store.port
 
@@ -117,6 +130,7 @@ class PolicyActor:
         except BaseException:
             self.close_weight_group()
             raise
+        release_free_heap()  # the packed buckets
         return dict(vars(stats))
 
     def close_weight_group(self) -> None:

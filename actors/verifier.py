@@ -1,8 +1,13 @@
 """VerifierActor and the pool that spreads scoring across N of them.
 
-Each actor owns a math verifier whose subprocess pool enforces the per-item timeout. The pool adds a
-second, outer deadline: an actor that dies or stops answering yields failed rewards for its items
-and is replaced, so a step never hangs on verification.
+Each actor owns a verifier of the configured kind (math: a math-verify subprocess pool; code: a
+sandbox per item) that enforces the per-item timeout: an item too slow to score scores
+(0.0, "timeout"), a verdict like any other. The pool adds a second, outer
+deadline: an actor that dies or stops answering is replaced and its items are scored again, each
+alone, on the live actors. Scoring is a pure function of (response, gold), so a verifier crash
+changes nothing in the result; only an item that takes its actor down on every run (1 +
+MAX_RERUNS) ends with the pool's failure status, VERIFIER_FAILED, which the step loop counts and
+caps (`verifier.max_uncomputed_share`).
 """
 
 from __future__ import annotations
@@ -13,18 +18,27 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from rlvr.verifiers.math import MathVerifier
+from rlvr.verifiers import VERIFIER_FAILED
+from rlvr.verifiers.factory import make_verifier
 
 log = logging.getLogger(__name__)
 
-FAILED = (0.0, "error")
+FAILED = (0.0, VERIFIER_FAILED)
+MAX_RERUNS = 2
+"""How many times an item is run again after its actor died or hung. A crash that has nothing to
+do with the item (a lost node, the OOM killer) costs it one re-run; the second allows for the
+replacement failing too (say, while it starts on a busy machine). An item that still takes its
+actor down is a pathological input: it is given up on rather than killing actors for ever."""
+DEADLINE_SLACK_S = 30.0
+"""Outer deadline beyond the items' own timeouts: Ray's scheduling and a replacement's start."""
 
 
 class VerifierActor:
-    """Scores (response, gold) pairs with the math verifier in this actor's own process pool."""
+    """Scores (response, gold) pairs with a verifier of `kind` ("math" or "code") in this actor's
+    own worker processes."""
 
-    def __init__(self, timeout_s: float, num_workers: int = 1):
-        self.verifier = MathVerifier(num_workers=num_workers, timeout=timeout_s)
+    def __init__(self, timeout_s: float, num_workers: int = 1, kind: str = "math"):
+        self.verifier = make_verifier(kind, num_workers=num_workers, timeout=timeout_s)
         self.verifier.wait_ready()
 
     def score(self, responses: list[str], golds: list[str]) -> list[tuple[float, str]]:
@@ -35,12 +49,22 @@ class VerifierActor:
 
 
 class VerifierPool:
-    """N VerifierActors; `score` splits a batch across them with an outer deadline per chunk."""
+    """N VerifierActors; `score` splits a batch across them with an outer deadline per chunk and
+    re-runs the items of an actor that fails (`replaced` counts the actors replaced)."""
+
+    actor_class: type[VerifierActor] = VerifierActor
+    """The actor the pool starts (a subclass may score differently)."""
 
     def __init__(
-        self, size: int, timeout_s: float, workers_per_actor: int = 1, cpus_per_actor: float = 0.0
+        self,
+        size: int,
+        timeout_s: float,
+        workers_per_actor: int = 1,
+        cpus_per_actor: float = 0.0,
+        kind: str = "math",
     ):
         self.size = size
+        self.kind = kind
         self.timeout_s = timeout_s
         self.workers_per_actor = workers_per_actor
         self.cpus_per_actor = cpus_per_actor
@@ -49,9 +73,9 @@ class VerifierPool:
 
     def _spawn(self) -> ray.actor.ActorHandle:
         return (
-            ray.remote(VerifierActor)
+            ray.remote(self.actor_class)
             .options(num_cpus=self.cpus_per_actor, max_restarts=0)
-            .remote(self.timeout_s, self.workers_per_actor)
+            .remote(self.timeout_s, self.workers_per_actor, self.kind)
         )
 
     def _replace(self, index: int) -> None:
@@ -60,31 +84,66 @@ class VerifierPool:
         self.replaced += 1
 
     def score(self, responses: list[str], golds: list[str]) -> list[tuple[float, str]]:
-        """Rewards and statuses in input order; items of a failed actor get (0.0, 'verifier_failed')."""
+        """Rewards and statuses in input order, as an uninterrupted pool gives them: the items of
+        an actor that dies or misses the deadline are run again, each alone, up to MAX_RERUNS
+        times; an item that fails every run gets (0.0, 'verifier_failed')."""
         if len(responses) != len(golds):
             raise ValueError("responses and golds differ in length")
         n = len(responses)
-        chunks = [list(range(i, n, self.size)) for i in range(self.size)]
-        futures = {}
-        for a, idx in enumerate(chunks):
-            if idx:
-                futures[a] = self.actors[a].score.remote(
-                    [responses[i] for i in idx], [golds[i] for i in idx]
-                )
-        out: list[tuple[float, str]] = [FAILED] * n
-        # Items run concurrently inside an actor across its workers; allow each item its timeout in sequence.
-        deadline = (
-            time.monotonic() + self.timeout_s * max((len(c) for c in chunks), default=1) + 30.0
+        out: list[tuple[float, str]] = [FAILED] * n  # what an item never scored keeps
+        failed = self._run(
+            [list(range(a, n, self.size)) for a in range(self.size)], responses, golds, out
         )
-        for a, ref in futures.items():
+        for _ in range(MAX_RERUNS):
+            # One item per actor at a time: an actor's death is then the fault of its one item.
+            waves = [failed[k : k + self.size] for k in range(0, len(failed), self.size)]
+            failed = [
+                i for wave in waves for i in self._run([[i] for i in wave], responses, golds, out)
+            ]
+        if failed:
+            log.warning(
+                "verifier: %d items failed %d runs each; they score %s",
+                len(failed),
+                1 + MAX_RERUNS,
+                FAILED,
+            )
+        return out
+
+    def _run(
+        self,
+        chunks: list[list[int]],
+        responses: list[str],
+        golds: list[str],
+        out: list[tuple[float, str]],
+    ) -> list[int]:
+        """Score chunk a of item indices on actor a into `out`; returns the items of the chunks
+        whose actor died or missed the deadline (each such actor is replaced)."""
+        refs = {
+            a: self.actors[a].score.remote([responses[i] for i in idx], [golds[i] for i in idx])
+            for a, idx in enumerate(chunks)
+            if idx
+        }
+        # Items run concurrently inside an actor across its workers; allow each item its timeout
+        # in sequence.
+        longest = max((len(c) for c in chunks), default=1)
+        deadline = time.monotonic() + self.timeout_s * longest + DEADLINE_SLACK_S
+        failed: list[int] = []
+        for a, ref in refs.items():
             try:
                 results = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-                for i, r in zip(chunks[a], results, strict=True):
-                    out[i] = (float(r[0]), str(r[1]))
             except (RayActorError, GetTimeoutError) as err:
-                log.warning("verifier actor %d failed (%s); replacing it", a, type(err).__name__)
+                log.warning(
+                    "verifier actor %d failed (%s) on %d items; replacing it and re-running them",
+                    a,
+                    type(err).__name__,
+                    len(chunks[a]),
+                )
                 self._replace(a)
-        return out
+                failed += chunks[a]
+                continue
+            for i, r in zip(chunks[a], results, strict=True):
+                out[i] = (float(r[0]), str(r[1]))
+        return failed
 
     def shutdown(self) -> None:
         for a in self.actors:

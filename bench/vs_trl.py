@@ -7,10 +7,11 @@ adapters, the same modules and layers in both). The project's one policy rank ru
 ZeRO stage 0: on one rank ZeRO partitions nothing and only adds gradient copies (`--set
 training.zero_stage=2` shows them). TRL runs in its own environment (`make trl-env`),
 8 completions per forward/backward; the project runs its actors (vLLM engine, DeepSpeed policy,
-verifier pool) with the preset's training settings. Each side runs in a child process, the sides
-alternating over `--repeats`; the first `--warmup` steps of each child are left out and the table
-shows medians of the rest. Peak memory is the machine's (MemTotal - MemAvailable, every process
-and shared memory) above what it was before the child started, sampled every 0.2 s.
+a verifier pool of one actor) with the preset's training settings. Each side runs in a child
+process, the sides alternating over `--repeats`; the first `--warmup` steps of each child are
+left out and the table shows medians of the rest. Peak memory is the machine's (MemTotal -
+MemAvailable, every process and shared memory) above what it was before the child started,
+sampled every 0.2 s.
 
     make trl-env
     .venv/bin/python bench/vs_trl.py --repeats 2 --steps 2
@@ -98,6 +99,9 @@ def bench_config(lora: bool, steps: int, overrides: list[str]):
             "training.kl_coef=0.0",
             # one policy rank: ZeRO has nothing to partition, only gradient copies to add
             "training.zero_stage=0",
+            # 64 boxed answers a step: one verifier actor (and its math-verify worker) checks them
+            # in well under a second; the preset's second one only holds memory here
+            "resources.num_verifiers=1",
             "run.eval_every=0",
             f"run.steps={steps}",
             "run.name=vs-trl",

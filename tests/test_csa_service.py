@@ -12,11 +12,13 @@ from rlvr.algorithms.csa import AlreadyLabelledError, CSAController, UnknownSeqE
 from rlvr.serving.streams import (
     SEQ_BLOCK,
     CSAStreamHost,
+    LabelSourceError,
     StreamSpec,
     StreamStateError,
     UnknownStreamError,
     read_journal,
     read_record,
+    write_record,
 )
 
 GRID = (0.1, 0.2, 0.4)
@@ -67,7 +69,7 @@ def test_host_matches_a_bare_controller_and_restores_exactly(tmp_path):
     state = host.state("s")
     assert state["controller"] == ctrl.state_dict()
     # Rounds 4, 6 and 7 are open: 4 blocks the queue, 5 waits in the reorder buffer.
-    assert [seq for seq, _ in state["decided_at"]] == [4, 5, 6, 7]
+    assert [seq for seq, *_ in state["rounds"]] == [4, 5, 6, 7]
 
     again = reopen(tmp_path, clock)
     assert again.state("s") == state
@@ -85,7 +87,9 @@ def test_every_change_is_on_disk_before_the_call_returns(tmp_path):
     host.open_stream("s", SPEC)
     # A decision is one journal line (the snapshot is not rewritten on the request path) ...
     d = host.decide("s", 0.1)
-    assert read_journal(root / "s.journal") == [{"seq": 0, "score": 0.1, "time": 1000.0}]
+    assert read_journal(root / "s.journal") == [
+        {"seq": 0, "score": 0.1, "time": 1000.0, "source": "feedback"}
+    ]
     assert read_record(root / "s.state.json")["controller"]["next_seq"] == 0
     assert reopen(root).state("s") == host.state("s")
     # ... and a label rewrites the snapshot, which empties the journal.
@@ -133,7 +137,7 @@ def test_duplicate_and_unknown_labels_change_nothing(tmp_path):
         host.decide("s", s)
     host.observe("s", 0, True)
     # Applied rounds leave the open-round times in the same call, in memory as on disk.
-    assert [seq for seq, _ in host.state("s")["decided_at"]] == [1, 2]
+    assert [seq for seq, *_ in host.state("s")["rounds"]] == [1, 2]
     assert read_record(tmp_path / "s.state.json") == host.state("s")
     host.observe("s", 2, False)  # waits in the reorder buffer behind seq 1
     before_state, before_files = host.state("s"), files(tmp_path)
@@ -285,14 +289,22 @@ def test_config_change_is_a_new_epoch_and_versions_switch_at_boundaries(tmp_path
         {"seq": 3, "policy": "p2", "scorer": "g1"},
         {"seq": 4, "policy": "p2", "scorer": "g2"},
     ]
-    # A new alpha: new epoch, seqs run on, old rounds are gone.
+    # A new alpha: new epoch, seqs run on, the open rounds still take their labels.
     tighter = StreamSpec(alpha=0.3, delta=0.1, grid=GRID, label_timeout_s=10.0)
     status = host.open_stream("s", tighter)
     assert (status["epoch"], status["next_seq"], status["alpha"]) == (3, 4, 0.3)
     assert status["restarts"][-1]["reason"] == "config_changed"
     assert status["restarts"][-1]["previous"]["decided"] == 4
+    assert status["pending"] == 4
+    for seq in range(4):
+        host.observe("s", seq, seq != 2)
+    status = host.status("s")
+    assert (status["applied"], status["pending"], status["epoch"]) == (4, 0, 3)
+    # ... but only in the realised-risk counters: the new epoch's e-processes have seen nothing.
+    state = host.state("s")["controller"]
+    assert state["n"] == [0, 0, 0] and state["ell"] == [0.0, 0.0, 0.0]
     with pytest.raises(UnknownSeqError):
-        host.observe("s", 0, True)
+        host.observe("s", 4, True)
     # A new label timeout alone changes nothing under test.
     looser = StreamSpec(alpha=0.3, delta=0.1, grid=GRID, label_timeout_s=99.0)
     assert host.open_stream("s", looser)["epoch"] == 3
@@ -319,3 +331,88 @@ def test_stream_names_and_specs_are_validated(tmp_path):
     with pytest.raises(ValueError, match="label_timeout_s"):
         StreamSpec(alpha=0.5, delta=0.1, grid=GRID, label_timeout_s=0)
     assert StreamSpec.from_dict(json.loads(json.dumps(SPEC.to_dict()))) == SPEC
+
+
+def test_label_source_is_fixed_when_the_round_is_decided(tmp_path):
+    root = tmp_path / "root"
+    host = CSAStreamHost(root, clock=Clock())
+    host.open_stream("s", SPEC)
+    assert host.decide("s", 0.1, source="shadow")["seq"] == 0
+    assert host.decide("s", 0.1)["seq"] == 1  # feedback, the default
+    before = files(root)
+    with pytest.raises(LabelSourceError, match="labelled by shadow"):
+        host.observe("s", 0, True)
+    with pytest.raises(LabelSourceError, match="labelled by feedback"):
+        host.observe("s", 1, True, source="shadow")
+    assert files(root) == before
+    # Decision 1 lives only in the journal: its source survives a crash all the same.
+    again = reopen(root)
+    with pytest.raises(LabelSourceError):
+        again.observe("s", 0, True)
+    for h in (host, again):
+        h.observe("s", 0, True, source="shadow")
+        h.observe("s", 1, False)
+        assert h.status("s")["applied"] == 2
+    with pytest.raises(ValueError, match="label source"):
+        host.decide("s", 0.1, source="client")
+
+
+def audit(root, name="s") -> list[dict]:
+    return [json.loads(line) for line in (root / f"{name}.audit.jsonl").read_text().splitlines()]
+
+
+def test_every_applied_round_leaves_one_audit_line(tmp_path):
+    clock = Clock()
+    host = CSAStreamHost(tmp_path, clock=clock)
+    host.open_stream("s", SPEC, policy="p1", scorer="g1")
+    decided = []
+    for i in range(24):
+        clock.now = 1000.0 + i
+        decided.append(host.decide("s", 0.15, source="shadow" if i % 2 else "feedback"))
+        if i < 22:
+            host.observe("s", i, True, source="shadow" if i % 2 else "feedback")
+    assert not (tmp_path / "s.audit.jsonl").exists() or len(audit(tmp_path)) == 22
+    clock.now = 1032.5  # seq 22 (decided at 1022) is overdue, seq 23 (1023) not yet
+    host.expire_overdue()
+    lines = audit(tmp_path)
+    assert [r["seq"] for r in lines] == list(range(23))
+    for r, d in zip(lines, decided, strict=False):
+        assert r["threshold"] == d["threshold"]
+        assert r["action"] == ("release" if d["release"] else "abstain")
+        assert r["versions"] == {"policy": "p1", "scorer": "g1"} and r["epoch"] == 1
+        assert r["score"] == 0.15 and r["in_epoch"]
+        assert r["decided_at"] == 1000.0 + r["seq"]
+    assert any(r["action"] == "release" for r in lines), "the stream never certified"
+    assert [r["label"] for r in lines] == ["pass"] * 22 + ["expired"]
+    assert [r["source"] for r in lines[:4]] == ["feedback", "shadow", "feedback", "shadow"]
+    assert lines[21]["applied_at"] == 1021.0 and lines[22]["applied_at"] == 1032.5
+    # A configuration change: seq 23 is applied later, outside the epoch it was decided in.
+    host.open_stream("s", StreamSpec(alpha=0.3, delta=0.1, grid=GRID, label_timeout_s=10.0))
+    host.observe("s", 23, False, source="shadow")
+    last = audit(tmp_path)[-1]
+    assert (last["seq"], last["epoch"], last["in_epoch"], last["label"]) == (23, 1, False, "fail")
+
+
+def test_a_snapshot_from_before_label_sources_restores(tmp_path):
+    root = tmp_path / "root"
+    host = CSAStreamHost(root, clock=Clock())
+    host.open_stream("s", SPEC)
+    host.decide("s", 0.1)
+    host.decide("s", 0.2)
+    host.observe("s", 0, True)  # the snapshot now holds open round 1
+    host.close()
+    record = read_record(root / "s.state.json")
+    record["decided_at"] = [[seq, t] for seq, t, *_ in record.pop("rounds")]
+    write_record(root / "s.state.json", record)
+    (root / "s.journal").write_bytes(b"")
+    old = CSAStreamHost(root, clock=Clock())
+    assert old.state("s")["rounds"] == [[1, 1000.0, None, "feedback"]]
+    old.observe("s", 1, True)
+    assert old.status("s")["applied"] == 2
+
+
+def test_carry_over_needs_a_fresh_controller():
+    ctrl = SPEC.controller()
+    ctrl.decide(0.1)
+    with pytest.raises(ValueError, match="issued no rounds"):
+        ctrl.carry_over(SPEC.controller())

@@ -136,13 +136,16 @@ def ask(body: dict, cap: int = 32):
 def test_generation_request_checks():
     a = ask({"seed": 4, "metadata": {"csa_stream": "s2", "reference": "2"}})
     assert (a.max_tokens, a.seed, a.stream, a.reference) == (32, 4, "s2", "2")
-    assert ask({"max_completion_tokens": 8, "max_tokens": 30}).max_tokens == 8
+    assert ask({"max_completion_tokens": 32, "max_tokens": 30}).max_tokens == 32
+    assert ask({"max_tokens": 32}).max_tokens == 32
     assert ask({"metadata": {"reference": ""}}).reference is None
     for body, status, param in [
         ({"model": "other"}, 404, "model"),
         ({"stream": True}, 400, "stream"),
         ({"n": 2}, 400, "n"),
         ({"max_tokens": 33}, 400, "max_tokens"),
+        ({"max_tokens": 8}, 400, "max_tokens"),
+        ({"max_completion_tokens": 8, "max_tokens": 32}, 400, "max_tokens"),
         ({"max_tokens": 10**9}, 400, "max_tokens"),
     ]:
         with pytest.raises(ApiError) as info:
@@ -267,7 +270,9 @@ def test_serve_config_names_bad_keys(tmp_path):
     with pytest.raises(ConfigError, match="unique"):
         load_serve_config(dup)
     with pytest.raises(ConfigError, match="4 CPUs requested but 2"):
-        load_serve_config(None, ["replicas.num_replicas=4"]).check_cpus(2)
+        load_serve_config(None, ["replicas.num_replicas=4"]).check_cluster(
+            [{"CPU": 1.0}, {"CPU": 1.0}]
+        )
 
 
 def test_a_server_defect_is_still_a_json_error():

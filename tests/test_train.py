@@ -1,16 +1,20 @@
 """The training workflow's pure parts: which held-out metric picks the best checkpoint, the resume
-check on it, and the prompt-rendering check before any actor starts."""
+check on it, the prompt-rendering check before any actor starts, and a step whose rewards the
+verifier could not compute failing before its update."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from rlvr.config import ConfigError, load_config
+from rlvr.generation.base import GenerationResult, Sample
 from rlvr.models.tiny import build_tiny_model
+from rlvr.run.metrics import UncomputedRewards
 from rlvr.run.rundir import RunDir
 from rlvr.tasks import ArithmeticTask, Problem
 from workflows.train import Trainer, best_metric, prepare
@@ -69,3 +73,47 @@ def test_a_model_without_chat_template_needs_raw_prompts(tmp_path):
         prepare(load_config(None, sets))
     model_dir, train, _ = prepare(load_config(None, [*sets, "task.chat_template=false"]))
     assert model_dir == bare and len(train) == 8
+
+
+def one_uncomputed(texts: list[str], golds: list[str]) -> list[tuple[float, str]]:
+    """A verifier pool's scores where the first reward could not be computed."""
+    return [(0.0, "verifier_failed")] + [(0.0, "wrong")] * (len(texts) - 1)
+
+
+def test_a_step_past_the_uncomputed_share_fails_before_its_update(tmp_path):
+    """2 prompts x 2 samples, one reward of 4 uncomputed: 0.25 > max_uncomputed_share=0.2. The
+    fake workers offer only what a step uses before its update (no policy, no weight sync)."""
+    sets = [
+        "generation.prompts_per_step=2",
+        "generation.group_size=2",
+        "task.chat_template=false",
+        "verifier.max_uncomputed_share=0.2",
+    ]
+    cfg = load_config(CONFIGS / "tiny.yaml", sets)
+    run = RunDir(tmp_path / "run")
+    run.create(cfg.to_dict())
+    problems = [Problem(id=str(i), prompt=f"Compute {i} + 1.", answer=str(i + 1)) for i in range(8)]
+    sample = Sample(token_ids=[1], text="\\boxed{1}", logprobs=[0.0], finish_reason="stop")
+    comps = SimpleNamespace(
+        controller=SimpleNamespace(plan_step=lambda step, ids: {"n": dict.fromkeys(ids, 2)}),
+        generator=SimpleNamespace(
+            generate=lambda requests, params, step: [
+                GenerationResult(r.request_id, r.prompt_ids, [sample] * r.n) for r in requests
+            ]
+        ),
+        verifier=SimpleNamespace(score=one_uncomputed),
+    )
+    trainer = Trainer(
+        cfg,
+        run,
+        comps,
+        tokenizer=lambda text: {"input_ids": [1, 2, 3]},
+        train_problems=problems,
+        test_problems=problems[:2],
+    )
+    message = r"^step 5: the verifier could not compute 1 of 4 rewards \(share 0\.25 > "
+    with pytest.raises(UncomputedRewards, match=message + r"verifier\.max_uncomputed_share=0\.2\)"):
+        trainer.step(5)
+    with pytest.raises(UncomputedRewards, match=r"^evaluation at step 5: .* 1 of 2 rewards"):
+        trainer.evaluate(5)
+    assert not run.read_metrics() and not run.completed_steps()

@@ -12,10 +12,12 @@ import hashlib
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NoReturn
 
 import numpy as np
+import psutil
 
 from rlvr.config import ConfigError, load_config
 from rlvr.generation import make_backend
@@ -31,6 +33,58 @@ log = logging.getLogger(__name__)
 
 CAL_SEED = 42
 CAL_FRACTION = 0.2
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's size and mode, set as training (`model.dtype`, `generation.*`) and serving
+    set theirs: weights dtype, context, a fixed KV cache (so vLLM starts however little memory
+    is free instead of claiming its default share of it), eager mode, CPU threads (None: all)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_model_len: int = 1024
+    kv_cache_gib: float = 1.0
+    enforce_eager: bool = False
+    threads: int | None = None
+
+    def check(self, backend: str) -> None:
+        """Raise ConfigError naming the first bad option, before any engine starts."""
+        if self.max_model_len < 1:
+            _bad(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib > 0):
+            _bad(f"--kv-cache-gib must be a number > 0, got {self.kv_cache_gib}")
+        if self.threads is not None and self.threads < 1:
+            _bad(f"--threads must be >= 1, got {self.threads}")
+        if backend == "vllm" and not _on_gpu():
+            free = psutil.virtual_memory().available / 2**30
+            if self.kv_cache_gib > free:
+                _bad(
+                    f"--kv-cache-gib {self.kv_cache_gib:g} exceeds the {free:.1f} GiB of free memory"
+                )
+
+    def backend_kwargs(self, backend: str) -> dict[str, Any]:
+        """The options as `make_backend` keywords (the hf backend takes the dtype alone)."""
+        if backend != "vllm":
+            return {"dtype": self.dtype}
+        return {
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "kv_cache_gib": self.kv_cache_gib,
+            "enforce_eager": self.enforce_eager,
+            "cpu_threads": self.threads,
+        }
+
+
+def _bad(problem: str) -> NoReturn:
+    """Refuse a calibration input, in the words the CLI prints (exit status 2)."""
+    raise ConfigError(f"invalid calibration input: {problem}")
+
+
+def _on_gpu() -> bool:
+    """Whether vLLM's KV cache would live on a GPU (else in this machine's memory)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def merge_adapter(base_dir: Path, adapter_dir: Path) -> Path:
@@ -143,6 +197,7 @@ def calibrate(
         m=m,
         spacing=spacing,
         instruction=instruction,
+        chat_template=chat_template,
         problem_ids=[p.id for p in problems],
     )
 
@@ -158,17 +213,21 @@ def run_calibrate(
     seed: int = CAL_SEED,
     alphas: Sequence[float] = DEFAULT_ALPHAS,
     instruction: str | None = None,
-    max_model_len: int = 1024,
-    backend_kwargs: dict[str, Any] | None = None,
+    engine: EngineOptions | None = None,
     **fit_kwargs: Any,
 ) -> tuple[Path, Calibration]:
     """The `rlvr calibrate` command: resolve, split, calibrate, write; returns (path, calibration).
 
-    Bad inputs raise ConfigError before any model loads. The artefact goes to `out`, else next to
-    the adapter when one is given, else into the checkpoint directory.
+    `engine` sizes the backend (default `EngineOptions()`). Bad inputs raise ConfigError before
+    any model loads. The artefact goes to `out`, else next to the adapter when one is given, else
+    into the checkpoint directory.
     """
     from rlvr.serving.api import checkpoint_fingerprint
 
+    engine = engine or EngineOptions()
+    engine.check(backend)
+    if fit_kwargs.get("max_tokens", 256) >= engine.max_model_len:
+        _bad("--max-tokens must be < --max-model-len")
     try:
         model_dir = resolve_model_path(checkpoint)
     except FileNotFoundError as err:
@@ -182,17 +241,16 @@ def run_calibrate(
         cal = cal_split(problems, cal_fraction, seed)
     except (ValueError, ConfigError) as err:
         raise ConfigError(f"invalid calibration input: --data: {err}") from None
-    if fit_kwargs.get("max_tokens", 256) >= max_model_len:
-        raise ConfigError("invalid calibration input: --max-tokens must be < --max-model-len")
     target = Path(out) if out else Path(adapter or model_dir) / CALIBRATION_FILE
-    kwargs = dict(backend_kwargs or {})
-    if backend == "vllm":
-        kwargs.setdefault("max_model_len", max_model_len)
-    engine = make_backend(backend, model_dir, **kwargs)
+    if engine.threads is not None:
+        import torch
+
+        torch.set_num_threads(engine.threads)
+    model = make_backend(backend, model_dir, **engine.backend_kwargs(backend))
     try:
         log.info("calibrating %s on %d CAL problems", model_dir, len(cal))
         result = calibrate(
-            engine,
+            model,
             cal,
             instruction=instruction if instruction is not None else preset_instruction,
             chat_template=chat_template,
@@ -200,7 +258,7 @@ def run_calibrate(
             **fit_kwargs,
         )
     finally:
-        engine.close()
+        model.close()
     result.checkpoint = checkpoint_fingerprint(model_dir)
     result.source = {
         **source,

@@ -23,6 +23,7 @@ from actors.verifier import VerifierActor, VerifierPool
 from rlvr.algorithms.method import build_method
 from rlvr.config import Config
 from rlvr.run.placement import PlacementPlan, plan_placement
+from rlvr.training.rendezvous import LOOPBACK, run_addresses
 from workflows.generator_pool import GeneratorPool
 from workflows.policy_group import PolicyGroup, rank_environments
 from workflows.weight_sync import WeightSync, make_weight_sync
@@ -190,15 +191,25 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
     mini_batches = cfg.training.mini_batches
     if not use_actors:
         policy = PolicyGroup(
-            [Worker(PolicyActor(**policy_kwargs(cfg, model_dir)), "PolicyActor")], mini_batches
+            [Worker(PolicyActor(**policy_kwargs(cfg, model_dir), address=LOOPBACK), "PolicyActor")],
+            mini_batches,
         )
         generator = GeneratorPool(
-            [Worker(GeneratorActor(**generator_kwargs(cfg, model_dir)), "GeneratorActor")]
+            [
+                Worker(
+                    GeneratorActor(**generator_kwargs(cfg, model_dir), address=LOOPBACK),
+                    "GeneratorActor",
+                )
+            ]
         )
         return Components(
             policy=policy,
             generator=generator,
-            verifier=VerifierActor(cfg.verifier.timeout_s, num_workers=cfg.verifier.num_workers),
+            verifier=VerifierActor(
+                cfg.verifier.timeout_s,
+                num_workers=cfg.verifier.num_workers,
+                kind=cfg.verifier.kind,
+            ),
             controller=ControllerClient(
                 Worker(
                     ControllerActor(
@@ -213,6 +224,8 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
     r = cfg.resources
     plan = plan_placement(r)
     groups = place_groups(cfg.run.name, plan)
+    layout = placement_layout(groups, plan)
+    addresses = run_addresses({name: where["node_ip"] for name, where in layout.items()})
     handles: list[Any] = []
 
     def model_actor(
@@ -246,12 +259,18 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                 plan.policy[rank],
                 r.policy_cpus,
                 r.policy_gpus,
-                {**policy_kwargs(cfg, model_dir), "distributed": env},
+                {
+                    **policy_kwargs(cfg, model_dir),
+                    "distributed": env,
+                    "address": addresses[f"PolicyActor {rank}"],
+                },
             ),
             "PolicyActor" if ranks == 1 else f"PolicyActor {rank}",
         )
         for rank, env in enumerate(
-            rank_environments(ranks, groups[plan.policy[0][0]], plan.policy[0][1])
+            rank_environments(
+                ranks, addresses["PolicyActor 0"], groups[plan.policy[0][0]], plan.policy[0][1]
+            )
         )
     ]
     engines = r.generator_engines
@@ -263,7 +282,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                 plan.generator[i],
                 r.generator_cpus,
                 r.generator_gpus,
-                generator_kwargs(cfg, model_dir),
+                {**generator_kwargs(cfg, model_dir), "address": addresses[f"GeneratorActor {i}"]},
             ),
             "GeneratorActor" if engines == 1 else f"GeneratorActor {i}",
         )
@@ -282,6 +301,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         cfg.verifier.timeout_s,
         workers_per_actor=cfg.verifier.num_workers,
         cpus_per_actor=r.verifier_cpus,
+        kind=cfg.verifier.kind,
     )
 
     def cleanup() -> None:
@@ -308,7 +328,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         verifier=verifier,
         controller=ControllerClient(Worker(controller, "ControllerActor")),
         sync=sync,
-        layout=placement_layout(groups, plan),
+        layout=layout,
     )
     comps._cleanup.append(cleanup)
     comps._cleanup.append(sync.close)

@@ -3,13 +3,12 @@
 Every call goes to every rank (DeepSpeed's collectives need them all) and the answer is rank 0's.
 A training batch is split so that the N ranks take exactly the 1-rank update
 (`rlvr.training.data_parallel`); teacher-forced scoring is split in equal shares and merged back
-in order. Rank 0 publishes the rendezvous (its node's address and a free port) before any rank
-starts DeepSpeed.
+in order. The rendezvous (rank 0's listening address and a port free there) is fixed before any
+rank starts DeepSpeed.
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlvr.training.batch import TrainBatch
 from rlvr.training.data_parallel import shard_batch, shard_sequences
+from rlvr.training.rendezvous import free_port
 from workflows.workers import FanOut, Worker
 
 
@@ -129,20 +129,18 @@ class PolicyGroup:
 
 
 @ray.remote(num_cpus=0)
-def _rendezvous() -> tuple[str, int]:
-    """This node's address and a port free on it, for rank 0's process group."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+def _free_port(address: str) -> int:
+    """A port free on ``address`` of the node this runs on, for rank 0's process group."""
+    return free_port(address)
 
 
 def rank_environments(
-    world_size: int, pg: PlacementGroup | None = None, bundle: int = 0
+    world_size: int, address: str, pg: PlacementGroup | None = None, bundle: int = 0
 ) -> list[dict[str, str] | None]:
     """Per rank, the distributed environment its PolicyActor sets before DeepSpeed starts; one
-    rank needs none (it starts a one-process group). The address is that of bundle ``bundle``'s
-    node, where rank 0 runs."""
+    rank needs none (it starts a one-process group). Rank 0 serves the rendezvous on ``address``
+    (its listening address: `rlvr.training.rendezvous.run_addresses`) from bundle ``bundle``'s
+    node, where it runs."""
     if world_size == 1:
         return [None]
     strategy = (
@@ -150,10 +148,10 @@ def rank_environments(
         if pg is not None
         else None
     )
-    addr, port = ray.get(_rendezvous.options(scheduling_strategy=strategy).remote())
+    port = ray.get(_free_port.options(scheduling_strategy=strategy).remote(address))
     return [
         {
-            "MASTER_ADDR": addr,
+            "MASTER_ADDR": address,
             "MASTER_PORT": str(port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),

@@ -4,15 +4,19 @@ Per request (one round of Algorithm 1 of arXiv:2605.20270, with the delayed veri
 of App. B.4): K self-consistency samples, the majority answer, raw score 1 - agreement, calibrated
 score g(raw), then the stream's decision from the ControllerActor, the single writer of every
 stream (any number of replicas share them). Released: the answer; abstained: the configured
-fallback; always a `csa` object. Labels arrive from shadow verification (requests
-with metadata.reference, checked by a VerifierActor pool, applied asynchronously) or from
-POST /v1/feedback; a label overdue past the stream's timeout counts as a failure.
+fallback; always a `csa` object. Each round's label source is fixed when it is decided: shadow
+verification for requests with metadata.reference (a VerifierActor pool, applied asynchronously),
+otherwise POST /v1/feedback with the operator key; a label overdue past the stream's timeout
+counts as a failure. Prompts are rendered as the calibration rendered its own, and every sample
+uses the calibrated K, temperature, top_p and max_tokens: the score has one definition per epoch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +35,15 @@ from rlvr.algorithms.csa import AlreadyLabelledError, UnknownSeqError
 from rlvr.config import ConfigError, check_model_for_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.models import resolve_model_path
+from rlvr.serving.access import (
+    API_KEYS_ENV,
+    AccessPolicy,
+    default_allowed_hosts,
+    env_keys,
+    is_loopback,
+    operator_key,
+    read_keys,
+)
 from rlvr.serving.api import (
     CALIBRATION_FILE,
     ApiError,
@@ -44,16 +57,22 @@ from rlvr.serving.api import (
     completion_body,
     csa_object,
     parse_body,
+    served_prompt,
     vote,
 )
 from rlvr.serving.config import ServeConfig
-from rlvr.serving.streams import StreamSpec, UnknownStreamError
+from rlvr.serving.streams import LabelSourceError, StreamSpec, UnknownStreamError
+from rlvr.tasks.prompts import render_messages, render_text
+from rlvr.training.rendezvous import LOOPBACK, bind_collectives
 from workflows.calibrate import with_adapter
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "rlvr-csa"
 _LABEL_RETRIES = 6
+_ADMISSION_SLACK = 8
+"""Requests Serve may route to a replica beyond those it holds: the replica answers them at once
+(429 for completions over its limit; feedback, status and models never wait for generation)."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +91,14 @@ class ServeSettings:
     fallback: str
     max_body_bytes: int
     verifier: dict[str, Any] | None
+    access: AccessPolicy
+    max_held_requests: int
     gate: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ServeSettings:
+        """Inverse of `dataclasses.asdict` (which flattens the access policy)."""
+        return cls(**(d | {"access": AccessPolicy(**d["access"])}))
 
 
 @dataclass(frozen=True)
@@ -84,10 +110,36 @@ class PreparedServe:
     policy: str
     scorer: str
     state_dir: Path
+    operator_key_source: str
+
+
+def resolve_access(
+    cfg: ServeConfig, environ: dict[str, str] | None = None
+) -> tuple[AccessPolicy, str]:
+    """The keys and Host names the replicas accept, and where the operator key came from;
+    ConfigError naming the key for an unreadable key file or an open non-loopback bind."""
+    environ = dict(os.environ if environ is None else environ)
+    http = cfg.http
+    try:
+        client = list(http.api_keys) + env_keys(environ.get(API_KEYS_ENV))
+        if http.api_keys_file:
+            client += read_keys(http.api_keys_file, "http.api_keys_file")
+        op_key, op_source = operator_key(http.operator_key_file, cfg.state_dir(), environ)
+    except ValueError as err:
+        raise ConfigError(f"invalid serve config: {err}") from None
+    if not client and not is_loopback(http.host) and not http.allow_unauthenticated:
+        raise ConfigError(
+            f"invalid serve config: http.host: {http.host} is reachable beyond this machine and "
+            f"no client API keys are set (http.api_keys, http.api_keys_file or ${API_KEYS_ENV}); "
+            "set keys, or http.allow_unauthenticated=true to serve it open"
+        )
+    hosts = default_allowed_hosts(http.host) if http.allowed_hosts is None else http.allowed_hosts
+    return AccessPolicy.build(client, [op_key], hosts), op_source
 
 
 def prepare_serve(cfg: ServeConfig) -> PreparedServe:
-    """Everything that can fail on bad input (model, adapter, calibration, grids), before Ray."""
+    """Everything that can fail on bad input (model, adapter, calibration, grids, keys), before
+    Ray."""
     try:
         model_dir = resolve_model_path(cfg.model.path, seed=cfg.model.seed)
     except FileNotFoundError as err:
@@ -128,6 +180,8 @@ def prepare_serve(cfg: ServeConfig) -> PreparedServe:
             calibration.checkpoint,
             policy,
         )
+    # Last: a missing operator key is generated here, once everything else is known good.
+    access, operator_key_source = resolve_access(cfg)
     backend_kwargs: dict[str, Any] = {"dtype": cfg.model.dtype}
     if cfg.generation.backend == "vllm":
         backend_kwargs |= {
@@ -149,8 +203,12 @@ def prepare_serve(cfg: ServeConfig) -> PreparedServe:
         fallback=cfg.csa.fallback,
         max_body_bytes=cfg.http.max_body_bytes,
         verifier=cfg.verifier.model_dump() if cfg.verifier.enabled else None,
+        access=access,
+        max_held_requests=cfg.replicas.max_ongoing_requests,
     )
-    return PreparedServe(settings, specs, policy, calibration.version, cfg.state_dir())
+    return PreparedServe(
+        settings, specs, policy, calibration.version, cfg.state_dir(), operator_key_source
+    )
 
 
 # --------------------------------------------------------------------------- the deployment
@@ -194,7 +252,7 @@ async def _respond(
     try:
         response = JSONResponse(await work())
     except ApiError as err:
-        response = JSONResponse(err.body(), status_code=err.status)
+        response = JSONResponse(err.body(), status_code=err.status, headers=err.headers)
     except Exception:  # a defect, not the client's: logged, and still an OpenAI-style body
         log.exception("request failed")
         err = ApiError(500, "internal server error", kind="server_error")
@@ -221,8 +279,10 @@ class CSAServer:
 
         from rlvr.generation import make_backend
 
-        self.s = ServeSettings(**settings)
+        self.s = ServeSettings.from_dict(settings)
         torch.set_num_threads(self.s.torch_threads)
+        # The engine's own process groups span this replica alone: they listen on the loopback.
+        bind_collectives(LOOPBACK)
         self.backend = make_backend(self.s.backend, self.s.model_dir, **self.s.backend_kwargs)
         self.tokenizer = self.backend.tokenizer
         self.calibration = Calibration.from_dict(self.s.calibration)
@@ -240,20 +300,25 @@ class CSAServer:
         self._generate_lock = asyncio.Lock()
         self._verify_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._held = 0  # completion requests in this replica (generating or waiting)
+        self._generate_s = 1.0  # moving average of one generation, for Retry-After
 
     # ----------------------------------------------------------------- routes
 
     @api.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
         """The one served model."""
-        return JSONResponse(
-            {
+
+        async def work() -> dict[str, Any]:
+            self._admit(request, operator=False)
+            return {
                 "object": "list",
                 "data": [
                     {"id": self.s.served_name, "object": "model", "created": 0, "owned_by": "rlvr"}
                 ],
             }
-        )
+
+        return await _respond(work)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> JSONResponse:
@@ -263,20 +328,21 @@ class CSAServer:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> JSONResponse:
-        """OpenAI text completion (raw prompt, no chat template) through the CSA gate."""
+        """OpenAI text completion (one prompt, rendered as calibrated) through the CSA gate."""
         timing: dict[str, float] = {}
         return await _respond(lambda: self._complete(request, "text", timing), timing)
 
     @api.post("/v1/feedback")
     async def feedback(self, request: Request) -> JSONResponse:
-        """Apply a verifier label {seq, passed, stream?} to a decided round."""
+        """Apply a verifier label {seq, passed, stream?} to a decided round (operator key)."""
         return await _respond(lambda: self._feedback(request))
 
     @api.get("/v1/csa/status")
-    async def status(self, stream: str | None = None) -> JSONResponse:
-        """Every stream's monitoring view, or one stream's with ?stream=NAME."""
+    async def status(self, request: Request, stream: str | None = None) -> JSONResponse:
+        """Every stream's monitoring view, or one stream's with ?stream=NAME (operator key)."""
 
         async def work() -> dict[str, Any]:
+            self._admit(request, operator=True)
             if not self.s.gate:
                 raise ApiError(404, "this deployment runs without the CSA gate", code="no_gate")
             return {"streams": await self._controller("csa_status", stream)}
@@ -285,7 +351,31 @@ class CSAServer:
 
     # ----------------------------------------------------------------- request handling
 
+    def _admit(self, request: Request, operator: bool) -> None:
+        """The access check (Host, then key) every route runs before reading a body."""
+        self.s.access.admit({k.lower(): v for k, v in request.headers.items()}, operator=operator)
+
     async def _complete(
+        self, request: Request, kind: str, timing: dict[str, float]
+    ) -> dict[str, Any]:
+        """Admit the request if the replica has room (429 otherwise), then `_gated_completion`."""
+        self._admit(request, operator=False)
+        if self._held >= self.s.max_held_requests:
+            wait = math.ceil(self._generate_s * self._held)
+            raise ApiError(
+                429,
+                f"this replica holds {self._held} requests (its limit); retry in about {wait} s",
+                code="server_busy",
+                kind="rate_limit_error",
+                headers={"Retry-After": str(max(1, wait))},
+            )
+        self._held += 1
+        try:
+            return await self._gated_completion(request, kind, timing)
+        finally:
+            self._held -= 1
+
+    async def _gated_completion(
         self, request: Request, kind: str, timing: dict[str, float]
     ) -> dict[str, Any]:
         """Sample K answers, score their vote and ask the stream owner whether to release; the
@@ -309,7 +399,7 @@ class CSAServer:
                 "send labels to POST /v1/feedback instead",
                 param="metadata.reference",
             )
-        prompt_ids = self._prompt_ids(req, kind)
+        prompt_ids = self._prompt_ids(req)
         if len(prompt_ids) + ask.max_tokens > self.s.max_model_len:
             raise ApiError(
                 400,
@@ -321,6 +411,7 @@ class CSAServer:
         start = time.perf_counter()
         samples = await self._sample(prompt_ids, ask.max_tokens, ask.seed)
         timing["generate"] = time.perf_counter() - start
+        self._generate_s = 0.8 * self._generate_s + 0.2 * timing["generate"]
         start = time.perf_counter()
         v = vote([s.text for s in samples])
         score = self.calibration.score(v.raw)
@@ -328,7 +419,8 @@ class CSAServer:
         decision = None
         if self.s.gate:
             start = time.perf_counter()
-            decision = await self._controller("csa_decide", ask.stream, score)
+            source = "feedback" if ask.reference is None else "shadow"
+            decision = await self._controller("csa_decide", ask.stream, score, source)
             if ask.reference is not None:
                 self._spawn(
                     self._shadow_verify(ask.stream, decision["seq"], v.answer, ask.reference)
@@ -347,29 +439,28 @@ class CSAServer:
         )
 
     async def _feedback(self, request: Request) -> dict[str, Any]:
+        self._admit(request, operator=True)
         req = parse_body(await read_body(request, self.s.max_body_bytes), FeedbackRequest)
         if not self.s.gate:
             raise ApiError(404, "this deployment runs without the CSA gate", code="no_gate")
         stream = req.stream or self.s.streams[0]
         return await self._controller("csa_observe", stream, req.seq, req.passed)
 
-    def _prompt_ids(self, req: ChatCompletionRequest | CompletionRequest, kind: str) -> list[int]:
-        if kind == "text":
-            prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    def _prompt_ids(self, req: ChatCompletionRequest | CompletionRequest) -> list[int]:
+        """Token ids of the prompt in the calibrated form (`served_prompt`)."""
+        prompt = served_prompt(self.calibration, req)
+        if isinstance(prompt, str):
+            ids = render_text(self.tokenizer, prompt)
         else:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             try:
-                ids = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+                ids = render_messages(self.tokenizer, prompt)
             except Exception as err:  # jinja raises many types for a conversation it rejects
                 raise ApiError(
                     400, f"the chat template rejects these messages: {err}", "messages"
                 ) from None
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        return [int(i) for i in ids]
+        return ids
 
     async def _sample(self, prompt_ids: list[int], max_tokens: int, seed: int | None) -> list:
         cal = self.calibration
@@ -391,6 +482,8 @@ class CSAServer:
             raise ApiError(404, _cause(err), param="seq", code="unknown_seq") from None
         except AlreadyLabelledError as err:
             raise ApiError(409, _cause(err), param="seq", code="already_labelled") from None
+        except LabelSourceError as err:
+            raise ApiError(409, _cause(err), param="seq", code="label_source_fixed") from None
         except RayActorError as err:
             raise ApiError(
                 503,
@@ -419,11 +512,11 @@ class CSAServer:
                 passed = verdict == "correct"
             for attempt in range(_LABEL_RETRIES):
                 try:
-                    await self._controller("csa_observe", stream, seq, passed)
+                    await self._controller("csa_observe", stream, seq, passed, "shadow")
                     return
                 except ApiError as err:
                     if err.status != 503:
-                        # 409: a label (e.g. feedback) got there first; observe is idempotent.
+                        # 409: the round is closed (its timeout came first); observe is idempotent.
                         return
                     await asyncio.sleep(0.25 * 2**attempt)
             log.warning("label of %s/%d not applied; its timeout will close it", stream, seq)
@@ -456,7 +549,7 @@ def build_app(cfg: ServeConfig, prepared: PreparedServe, gate: bool = True) -> s
     return CSAServer.options(
         num_replicas=cfg.replicas.num_replicas,
         ray_actor_options={"num_cpus": cfg.replicas.cpus},
-        max_ongoing_requests=cfg.replicas.max_ongoing_requests,
+        max_ongoing_requests=cfg.replicas.max_ongoing_requests + _ADMISSION_SLACK,
     ).bind(settings)
 
 
@@ -495,19 +588,23 @@ def start_serving(
 
 
 def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
-    """`rlvr serve`: run until interrupted, then shut Serve down (stream state stays on disk)."""
-    # The stream owner lives as long as this driver holds a handle to it.
-    controller = start_serving(cfg, prepared)
-    print(
-        f"serving {prepared.settings.served_name} at http://{cfg.http.host}:{cfg.http.port}/v1 "
-        f"(streams: {', '.join(prepared.specs)}; state: {prepared.state_dir})",
-        flush=True,
-    )
+    """`rlvr serve`: run until interrupted (Ctrl-C also during start-up), then shut Serve down
+    (stream state stays on disk)."""
+    controller = None
     try:
+        # The stream owner lives as long as this driver holds a handle to it.
+        controller = start_serving(cfg, prepared)
+        print(
+            f"serving {prepared.settings.served_name} at http://{cfg.http.host}:{cfg.http.port}/v1 "
+            f"(streams: {', '.join(prepared.specs)}; state: {prepared.state_dir}; operator key for "
+            f"/v1/feedback and /v1/csa/status: {prepared.operator_key_source})",
+            flush=True,
+        )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
         serve.shutdown()
-        ray.kill(controller, no_restart=True)
+        if controller is not None:
+            ray.kill(controller, no_restart=True)

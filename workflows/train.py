@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from rlvr.generation.base import SamplingParams
 from rlvr.models import cache_dir, resolve_model_path
 from rlvr.models.sft import sft_warmup
 from rlvr.run.files import atomic_write_text
-from rlvr.run.metrics import group_stats, rollout_stats
+from rlvr.run.metrics import group_stats, rollout_stats, uncomputed_stats
 from rlvr.run.rundir import RunDir
 from rlvr.tasks import load_task
 from rlvr.tasks.base import Problem
@@ -37,6 +38,7 @@ from rlvr.training.batch import TrainBatch, rows_that_train
 from workflows.ahead import AheadCollector
 from workflows.components import Components, start_components
 from workflows.services import RunServices
+from workflows.workers import ActorFailure
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,9 @@ class Trainer:
         t0 = time.perf_counter()
         rollouts = self.services.generate(self.test_problems, n, params, step)
         self.services.verify(rollouts)
+        uncomputed = uncomputed_stats(
+            rollouts.statuses, self.cfg.verifier.max_uncomputed_share, f"evaluation at step {step}"
+        )
         record = {
             "step": step,
             "eval_accuracy": float(np.mean(rollouts.rewards >= 1.0)),
@@ -110,6 +115,7 @@ class Trainer:
             "eval_length_mean": float(np.mean(rollouts.lengths)),
             "eval_problems": len(self.test_problems),
             "eval_samples": g.eval_samples,
+            **{f"eval_{k}": v for k, v in uncomputed.items()},
         }
         record.update(self.method.evaluate(self.services, self.test_problems, params, step))
         record["eval_seconds"] = time.perf_counter() - t0
@@ -134,6 +140,10 @@ class Trainer:
             )
         else:
             got = ahead.collected
+        # before the update: a step whose rewards are damaged must not train
+        uncomputed = uncomputed_stats(
+            got.rollouts.statuses, cfg.verifier.max_uncomputed_share, f"step {step}"
+        )
         batch, shape_stats = (
             method.shape(self.services, got.trained, plan, step) if len(got.trained) else (None, {})
         )
@@ -156,6 +166,7 @@ class Trainer:
         rollouts = got.rollouts
         metrics.update(rollout_stats(rollouts.rewards, rollouts.lengths, rollouts.finish_reasons))
         metrics.update(group_stats(rollouts.rewards, rollouts.group_ids))
+        metrics.update(uncomputed)
         metrics.update(shape_stats)
         metrics.update(got.stats)
         metrics.update({f"train_{k}": v for k, v in train_stats.items()})
@@ -293,9 +304,7 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
         raise ConfigError(f"invalid config: {err}") from None
     if cfg.model.sft_warmup_steps:
         # one cache entry per (model, steps, task): switching presets never rebuilds another's
-        task_key = hashlib.sha1(
-            json.dumps(cfg.task.model_dump(mode="json"), sort_keys=True).encode()
-        )
+        task_key = hashlib.sha1(json.dumps(cfg.task.cache_key(), sort_keys=True).encode())
         name = f"{model_dir.name}-sft{cfg.model.sft_warmup_steps}-{task_key.hexdigest()[:10]}"
         out = cache_dir() / "models" / name
         model_dir = sft_warmup(
@@ -316,21 +325,70 @@ def train(
     use_actors: bool = True,
     prepared: tuple[Path, list[Problem], list[Problem]] | None = None,
 ) -> dict[str, Any]:
-    """Train (or resume) the run at `run_path`; returns the final summary.
+    """Train (or resume) the run at `run_path`, recovering from up to `run.max_failures` lost
+    actors; returns the final summary.
 
-    `prepared` is `prepare(cfg)`'s result when the caller validated the inputs before Ray started.
+    A lost actor (`ActorFailure.lost`) stops the attempt; the next one starts every actor anew
+    and resumes after the last committed step, exactly as `rlvr train --resume` would, so the
+    run ends bit-identical to an uninterrupted one. Each recovery is printed and appended to the
+    run directory's recoveries.jsonl. An error raised inside a call (a bug, bad input) is not
+    retried: it would only repeat. `prepared` is `prepare(cfg)`'s result when the caller
+    validated the inputs before Ray started.
     """
+    prepared = prepared or prepare(cfg)
+    failures = 0
+    while True:
+        try:
+            return _train_attempt(cfg, run_path, resume or failures > 0, use_actors, prepared)
+        except ActorFailure as err:
+            if not err.lost:
+                raise
+            run = RunDir(run_path)
+            last = run.last_completed_step()
+            if failures >= cfg.run.max_failures:
+                raise ActorFailure(
+                    f"{err}; the run has recovered {failures} time(s), run.max_failures="
+                    f"{cfg.run.max_failures}. Its last committed step is {last}: "
+                    f"`rlvr train --resume {run_path}` continues from there",
+                    lost=True,
+                ) from err
+            failures += 1
+            run.append_recovery(
+                {
+                    "recovery": failures,
+                    "cause": str(err),
+                    "resumes_after": last,
+                    "time": time.time(),
+                }
+            )
+            print(
+                f"rlvr: {err}; recovering ({failures} of run.max_failures="
+                f"{cfg.run.max_failures}): restarting the actors, resuming after step {last}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _train_attempt(
+    cfg: Config,
+    run_path: Path,
+    resume: bool,
+    use_actors: bool,
+    prepared: tuple[Path, list[Problem], list[Problem]],
+) -> dict[str, Any]:
+    """One attempt at the run: start the actors, resume after the last committed step (when
+    `resume`), train to the end, write the final model and summary."""
     from torch.utils.tensorboard import SummaryWriter
     from transformers import AutoTokenizer
 
     run = RunDir(run_path)
-    model_dir, train_problems, test_problems = prepared or prepare(cfg)
+    model_dir, train_problems, test_problems = prepared
     if not resume:
         if run.completed_steps():
             raise ConfigError(f"{run_path} already holds a run; use --resume or another run.name")
         run.create(cfg.to_dict())
 
-    last = run.last_completed_step() if resume else None
+    last = run.last_intact_step() if resume else None
     start = 0 if last is None else last + 1
     run.truncate_logs_after(last if last is not None else -1)
 

@@ -1,8 +1,8 @@
 """How the policy's new weights reach every generation engine after a step (`sync.transport`).
 
 `ObjectStoreSync`: policy rank 0 exports the merged weights once, Ray's object store holds that
-one copy and every engine loads it; a full host copy of the model per sync, fine for a small model
-and one CPU engine. `CollectiveSync`: a process group of policy rank 0 and the engines
+one copy and every engine loads it; a full host copy of the model per sync, which the store's
+shared memory keeps resident (what "auto" picks for in-process workers only). `CollectiveSync`: a process group of policy rank 0 and the engines
 (`rlvr.training.weight_sync`), opened once; every push streams the weights in buckets of
 `sync.bucket_mb`, in the engines' dtype, so no process holds more than a bucket beyond its model.
 `ColocatedSync` (`resources.colocate`): each policy rank hands the engine beside it the same
@@ -172,14 +172,14 @@ class ColocatedSync:
 
 def make_weight_sync(cfg: Config, policy: Any, generator: Any) -> WeightSync:
     """The sync `cfg.sync.transport` names; "auto" is the colocated hand-over when ranks and
-    engines are colocated, the object store for one engine without GPUs (or in-process workers)
-    and the collective broadcast otherwise."""
+    engines are colocated, the object store for in-process workers and the collective broadcast
+    otherwise, one CPU engine included: a push through the object store leaves a model-sized
+    copy of shared memory resident (the store keeps the pages it once used) and, on CPU, is also
+    the slower of the two (bench/out/weight_sync/cpu.md)."""
     transport = cfg.sync.transport
     actors = all(w.is_actor for w in [*policy.workers, *generator.workers])
     if transport == "auto":
-        gpus = cfg.resources.policy_gpus > 0 or cfg.resources.generator_gpus > 0
-        collective = actors and (len(generator.workers) > 1 or gpus)
-        transport = "collective" if collective else "object_store"
+        transport = "collective" if actors else "object_store"
         if actors and cfg.resources.colocate:
             transport = "colocated"
     if transport == "object_store":
@@ -206,6 +206,7 @@ def _resolve(calls: Sequence[tuple[str, Worker, Any]], step: int | None) -> list
     results: list[Any] = []
     failed: list[tuple[bool, str]] = []
     stuck: list[str] = []
+    lost = False
     for label, worker, future in calls:
         if worker.is_actor and future in unsettled:
             stuck.append(label)
@@ -214,13 +215,15 @@ def _resolve(calls: Sequence[tuple[str, Worker, Any]], step: int | None) -> list
             results.append(worker.get(future, step=step))
         except ActorFailure as err:
             died = isinstance(err.__cause__, ray.exceptions.ActorDiedError)
+            lost |= err.lost
             failed.append((not died, str(err).replace(worker.name, label, 1)))
     if stuck:
         failed.append((True, f"{', '.join(stuck)} still running {FAILURE_GRACE_S:g}s later"))
     if failed:
         # A member that died first: the others' errors (a closed connection) follow from it.
         reasons = [text for _, text in sorted(failed, key=lambda f: f[0])]
-        raise ActorFailure("weight sync failed: " + "; ".join(reasons))
+        # Members stuck in a collective whose peer is gone are lost with it.
+        raise ActorFailure("weight sync failed: " + "; ".join(reasons), lost=lost or bool(stuck))
     return results
 
 

@@ -34,7 +34,9 @@ class Worker:
             return ray.get(future)
         except ray.exceptions.RayError as err:
             where = f" at step {step}" if step is not None else ""
-            raise ActorFailure(f"{self.name} failed{where}: {_root_cause(err)}") from err
+            raise ActorFailure(
+                f"{self.name} failed{where}: {_root_cause(err)}", lost=is_lost(err)
+            ) from err
 
     def run(self, method: str, *args: Any, step: int | None = None, **kwargs: Any) -> Any:
         return self.get(self.call(method, *args, **kwargs), step=step)
@@ -45,7 +47,18 @@ class Worker:
 
 
 class ActorFailure(RuntimeError):
-    """A crash inside an actor, reported with the actor's name and the step."""
+    """A crash inside an actor, reported with the actor's name and the step; `lost` when the
+    actor (or its node, or an object it held) is gone rather than the call raising: restarting
+    the actor then fixes it, while an error raised by the call would only repeat."""
+
+    def __init__(self, message: str, lost: bool = False):
+        super().__init__(message)
+        self.lost = lost
+
+
+def is_lost(err: BaseException) -> bool:
+    """Whether a Ray error means a dead actor, node or object (not an exception in the call)."""
+    return isinstance(err, ray.exceptions.RayActorError | ray.exceptions.ObjectLostError)
 
 
 def _root_cause(err: BaseException) -> str:

@@ -1,13 +1,16 @@
 """A run directory: resolved config, one committed checkpoint per step, append-only metrics.
 
 Durability contract: a step counts as completed only once its checkpoint directory has been renamed
-into place (atomic on POSIX). Metrics of steps past the last completed checkpoint are dropped on
-resume, so an interrupted-and-resumed run logs exactly what an uninterrupted one does.
+into place (atomic on POSIX), its files synced and listed with their sizes in a manifest first.
+Resume takes the newest checkpoint that matches its manifest (a damaged one, e.g. after a machine
+lost unsynced writes, is moved aside with a warning). Metrics of steps past the resumed checkpoint
+are dropped, so an interrupted-and-resumed run logs exactly what an uninterrupted one does.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -17,9 +20,14 @@ from typing import Any
 
 import yaml
 
-from rlvr.run.files import atomic_write_text
+from rlvr.run.files import atomic_write_text, fsync_dir
 
 STEP_PREFIX = "step_"
+MANIFEST = "manifest.json"
+"""Every file of a checkpoint with its size, written (and synced) last before the commit."""
+DAMAGED_PREFIX = "damaged_"
+
+log = logging.getLogger(__name__)
 
 
 class RunDir:
@@ -35,6 +43,7 @@ class RunDir:
         self.metrics_file = self.path / "metrics.jsonl"
         self.eval_file = self.path / "eval.jsonl"
         self.rollouts_file = self.path / "rollouts.jsonl"
+        self.recoveries_file = self.path / "recoveries.jsonl"
         self.tb_dir = self.path / "tb"
         self.final_model = self.path / "final"
 
@@ -72,14 +81,64 @@ class RunDir:
 
     @contextmanager
     def writing_checkpoint(self, step: int) -> Iterator[Path]:
-        """Yield a staging directory; it becomes step `step`'s checkpoint only if the block succeeds."""
+        """Yield a staging directory; it becomes step `step`'s checkpoint only if the block
+        succeeds, with its files synced and listed in the manifest before the rename."""
         staging = self.checkpoints / f".staging_{step:06d}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         yield staging
+        sizes = {}
+        for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            sizes[str(path.relative_to(staging))] = path.stat().st_size
+        atomic_write_text(staging / MANIFEST, json.dumps({"step": step, "files": sizes}))
+        for d in sorted({p.parent for p in staging.rglob("*")}, reverse=True):
+            fsync_dir(d)
         final = self.step_dir(step)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
+        fsync_dir(self.checkpoints)
+
+    def checkpoint_damage(self, step: int) -> str | None:
+        """Why step `step`'s checkpoint does not match its manifest, or None if it does (or
+        predates manifests)."""
+        d = self.step_dir(step)
+        manifest = d / MANIFEST
+        if not manifest.exists():
+            return None
+        try:
+            sizes = json.loads(manifest.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            return f"unreadable manifest ({err})"
+        for name, size in sizes.items():
+            path = d / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} holds {path.stat().st_size} bytes, the manifest says {size}"
+        return None
+
+    def last_intact_step(self) -> int | None:
+        """The newest step whose checkpoint matches its manifest; newer damaged ones are moved
+        aside (checkpoints/damaged_step_N) with a warning, so the run resumes before them."""
+        for step in reversed(self.completed_steps()):
+            damage = self.checkpoint_damage(step)
+            if damage is None:
+                return step
+            aside = self.checkpoints / f"{DAMAGED_PREFIX}{self.step_dir(step).name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(self.step_dir(step), aside)
+            log.warning(
+                "checkpoint of step %d is damaged (%s); moved to %s, resuming from an earlier one",
+                step,
+                damage,
+                aside,
+            )
+        return None
 
     def prune(self, keep_last: int, keep: set[int] = frozenset()) -> None:
         """Delete step checkpoints except the newest `keep_last` and those in `keep` (e.g. the best)."""
@@ -129,6 +188,13 @@ class RunDir:
 
     def read_rollouts(self) -> list[dict[str, Any]]:
         return self._read(self.rollouts_file)
+
+    def append_recovery(self, record: dict[str, Any]) -> None:
+        """One line per recovery from a lost actor (never truncated: the run's history)."""
+        self._append(self.recoveries_file, record)
+
+    def read_recoveries(self) -> list[dict[str, Any]]:
+        return self._read(self.recoveries_file)
 
     def truncate_logs_after(self, step: int) -> None:
         """Drop log records of steps after `step` (they belong to an uncommitted step)."""

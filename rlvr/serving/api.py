@@ -30,7 +30,7 @@ from pydantic import (
 
 from rlvr.algorithms.csa import Calibrator, majority_answer, make_grid
 from rlvr.run.files import atomic_write_text
-from rlvr.tasks.prompts import DEFAULT_INSTRUCTION
+from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, PROMPT_SLOT, with_instruction
 from rlvr.verifiers.extract import extract_answer
 
 CALIBRATION_FILE = "csa_calibration.json"
@@ -55,6 +55,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -62,6 +63,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.kind = kind
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         """`{"error": {message, type, param, code}}` as the OpenAI API returns it."""
@@ -191,6 +193,49 @@ def _valid_unicode(data: Any) -> bool:
     return True
 
 
+def served_prompt(
+    calibration: Calibration, req: ChatCompletionRequest | CompletionRequest
+) -> list[dict[str, str]] | str:
+    """The prompt rendered as the calibration rendered its own: chat turns (for the chat
+    template) with the calibration instruction in the last user turn, or raw text with it.
+
+    The release score is only calibrated for prompts of that form (`Calibration`); a text
+    completion under a chat calibration becomes one user turn, and chat under a raw calibration
+    is refused (a conversation has no faithful raw form)."""
+    if isinstance(req, CompletionRequest):
+        prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+        text = instructed(prompt, calibration.instruction)
+        return [{"role": "user", "content": text}] if calibration.chat_template else text
+    if not calibration.chat_template:
+        raise ApiError(
+            400,
+            "this server's release score was calibrated on raw prompts without a chat template; "
+            "send the prompt to /v1/completions",
+            param="messages",
+            code="chat_not_calibrated",
+        )
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise ApiError(
+            400,
+            "messages need a user turn (the calibration instruction goes into the last one)",
+            param="messages",
+        )
+    last = messages[users[-1]]
+    last["content"] = instructed(last["content"], calibration.instruction)
+    return messages
+
+
+def instructed(text: str, instruction: str) -> str:
+    """`with_instruction`, except that a text already ending with a plain instruction is kept
+    (a client that renders calibration-style prompts itself does not get it twice)."""
+    plain = instruction.strip()
+    if plain and PROMPT_SLOT not in instruction and text.rstrip().endswith(plain):
+        return text
+    return with_instruction(text, instruction)
+
+
 @dataclass(frozen=True)
 class GenerationAsk:
     """What a validated completion request asks of the server."""
@@ -228,17 +273,20 @@ def check_generation_request(
     if isinstance(req, CompletionRequest) and isinstance(req.prompt, list) and len(req.prompt) != 1:
         raise ApiError(400, "prompt must be one string (batches are not supported)", "prompt")
     asked = getattr(req, "max_completion_tokens", None) or req.max_tokens
-    if asked is not None and asked > max_tokens_cap:
+    if asked is not None and asked != max_tokens_cap:
+        # Another budget would be another score definition per request (a new scorer, which
+        # only a new epoch may bring): refused rather than silently changed.
         raise ApiError(
             400,
-            f"max_tokens={asked} exceeds this server's limit {max_tokens_cap} (the budget the "
-            "score was calibrated with)",
+            f"max_tokens={asked}: this server samples exactly {max_tokens_cap} tokens, the "
+            "budget its release score was calibrated with; omit max_tokens or send that value",
             param="max_tokens",
+            code="max_tokens_fixed",
         )
     meta = req.metadata or {}
     reference = meta.get("reference")
     return GenerationAsk(
-        max_tokens=asked or max_tokens_cap,
+        max_tokens=max_tokens_cap,
         seed=req.seed,
         stream=meta.get("csa_stream", default_stream),
         reference=reference if reference else None,
@@ -348,9 +396,11 @@ class Calibration:
     """The frozen score definition of a served checkpoint: sampling, isotonic map, CAL scores.
 
     The score of a request is g(1 - agreement) for K samples drawn with (temperature, top_p,
-    max_tokens); any change to these or to g is a new scorer (`version`), which starts a new
-    epoch on every stream (certificates earned under the old score say nothing about the new
-    one). Grids come from the calibrated CAL scores (`grid`).
+    max_tokens) on a prompt rendered with `instruction` (through the chat template unless
+    `chat_template` is false); any change to these or to g is a new scorer (`version`), which
+    starts a new epoch on every stream (certificates earned under the old score say nothing about
+    the new one). Serving renders every prompt the same way (`served_prompt`). Grids come from the
+    calibrated CAL scores (`grid`).
     """
 
     calibrator: Calibrator
@@ -363,6 +413,7 @@ class Calibration:
     m: int = 15
     spacing: str = "geometric"
     instruction: str = DEFAULT_INSTRUCTION
+    chat_template: bool = True
     checkpoint: str = ""
     problem_ids: list[str] = field(default_factory=list)
     source: dict[str, Any] = field(default_factory=dict)
@@ -391,7 +442,15 @@ class Calibration:
     def version(self) -> str:
         """Scorer version: a digest of everything that defines the score."""
         key = json.dumps(
-            [self.calibrator.to_dict(), self.k, self.temperature, self.top_p, self.max_tokens],
+            [
+                self.calibrator.to_dict(),
+                self.k,
+                self.temperature,
+                self.top_p,
+                self.max_tokens,
+                self.instruction,
+                self.chat_template,
+            ],
             sort_keys=True,
         )
         return "g-" + hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -415,6 +474,7 @@ class Calibration:
             "m": self.m,
             "spacing": self.spacing,
             "instruction": self.instruction,
+            "chat_template": self.chat_template,
             "checkpoint": self.checkpoint,
             "n_cal": len(self.raw_scores),
             "accuracy": float(np.mean(self.passed)) if self.passed else None,
@@ -441,6 +501,7 @@ class Calibration:
             m=int(d["m"]),
             spacing=str(d["spacing"]),
             instruction=str(d["instruction"]),
+            chat_template=bool(d.get("chat_template", True)),
             checkpoint=str(d["checkpoint"]),
             problem_ids=[str(i) for i in d["problem_ids"]],
             source=dict(d["source"]),

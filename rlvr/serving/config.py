@@ -7,9 +7,9 @@ CSA streams and the HTTP front; every unknown key or bad value fails at load, na
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 from rlvr.config import (
     ConfigError,
@@ -18,6 +18,7 @@ from rlvr.config import (
     format_validation_error,
     read_yaml_sections,
 )
+from rlvr.serving.access import API_KEYS_ENV, OPERATOR_KEY_ENV, OPERATOR_KEY_FILE, check_key
 from rlvr.serving.streams import STREAM_NAME
 
 
@@ -103,12 +104,42 @@ class ServeHTTPConfig(Section):
         65536, gt=0, description="Largest request body accepted (larger: 413)."
     )
     request_timeout_s: float = Field(120.0, gt=0.0, description="End-to-end request timeout.")
+    api_keys: list[Annotated[str, AfterValidator(check_key)]] = Field(
+        default_factory=list,
+        description="Client API keys (`Authorization: Bearer KEY`) for the OpenAI endpoints; "
+        f"also read from api_keys_file and ${API_KEYS_ENV} (comma-separated). None anywhere: "
+        "those endpoints are open.",
+    )
+    api_keys_file: str | None = Field(
+        None, description="File of client API keys, one per line (# comments allowed)."
+    )
+    operator_key_file: str | None = Field(
+        None,
+        description="File holding the operator key, which alone opens /v1/feedback and "
+        f"/v1/csa/status (${OPERATOR_KEY_ENV} overrides it; neither: a key is generated once "
+        f"into the state directory's {OPERATOR_KEY_FILE}).",
+    )
+    allowed_hosts: list[str] | None = Field(
+        None,
+        description="Host header names answered (others: 403). None: the loopback names when "
+        "bound to loopback, any otherwise; []: any.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Bind an address beyond loopback with the OpenAI endpoints open (no client "
+        "API keys); refused otherwise.",
+    )
 
 
 class ReplicasConfig(Section):
     num_replicas: int = Field(1, gt=0, description="Serve replicas (each loads the model).")
     cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per replica.")
-    max_ongoing_requests: int = Field(8, gt=0, description="Concurrent requests per replica.")
+    max_ongoing_requests: int = Field(
+        8,
+        gt=0,
+        description="Completion requests a replica holds at once (one generating, the rest "
+        "waiting); more get 429 with Retry-After.",
+    )
 
 
 class ServeVerifierConfig(Section):
@@ -140,6 +171,11 @@ class ServeConfig(Section):
                 f"invalid serve config: replicas: {need:g} CPUs requested but {available:g} "
                 "are available; lower replicas.num_replicas or replicas.cpus"
             )
+
+    def check_cluster(self, nodes: list[dict[str, float]]) -> None:
+        """`check_cpus` against the CPUs of the cluster's live nodes (what `init_ray` asks of
+        every config before it starts anything)."""
+        self.check_cpus(sum(float(n.get("CPU", 0.0)) for n in nodes))
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

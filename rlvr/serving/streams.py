@@ -1,6 +1,6 @@
 """Durable named CSA streams (arXiv:2605.20270, Algorithms 1-2), hosted by the ControllerActor.
 
-Pure Python (no Ray), so restarts and corruption are unit-testable. Each stream NAME keeps three
+Pure Python (no Ray), so restarts and corruption are unit-testable. Each stream NAME keeps four
 files under the root. `NAME.state.json` is the whole stream, rewritten atomically (write, fsync,
 rename, fsync of the directory) after every applied label and every other change but a decision.
 `NAME.journal` gets one checksummed line per decision (append + fdatasync, the one sync on the
@@ -8,6 +8,9 @@ request path) and is emptied by the next snapshot; snapshot + journal replay res
 exactly. `NAME.marker.json` is a small record of (spec, epoch, seq bound, versions) that outlives a
 lost or corrupt snapshot or journal: the stream then restarts as a new epoch past every seq it ever
 issued, never as fresh state with the full error budget (that would be repeated testing).
+`NAME.audit.jsonl` gets one line per applied round (seq, epoch, versions, score, threshold,
+action, label and its source), synced before the snapshot that applies it: a crash between the two
+may repeat a line when the label is sent again, never lose one (readers keep the last per seq).
 """
 
 from __future__ import annotations
@@ -33,10 +36,17 @@ _FORMAT = 1
 _STATE_SUFFIX = ".state.json"
 _MARKER_SUFFIX = ".marker.json"
 _JOURNAL_SUFFIX = ".journal"
+_AUDIT_SUFFIX = ".audit.jsonl"
+LABEL_SOURCES = ("feedback", "shadow")
+"""Who labels a round, fixed when it is decided: POST /v1/feedback, or the shadow verifier."""
 
 
 class UnknownStreamError(CSAError):
     """No stream of that name is hosted here (maps to HTTP 404)."""
+
+
+class LabelSourceError(CSAError):
+    """A label from a source other than the one fixed for its round (maps to HTTP 409)."""
 
 
 class StreamStateError(RuntimeError):
@@ -140,17 +150,36 @@ def read_journal(path: Path) -> list[dict[str, Any]]:
     return entries
 
 
+@dataclass(frozen=True)
+class _Round:
+    """What the host remembers of an open round: when it was decided, at which threshold, and
+    who labels it."""
+
+    decided_at: float
+    threshold: float | None
+    source: str
+
+
 class _Stream:
     """One hosted stream: its controller plus what the host must remember about it."""
 
     def __init__(self, name: str, spec: StreamSpec, ctrl: CSAController):
         self.name = name
         self.spec = spec
-        self.ctrl = ctrl
-        self.decided_at: dict[int, float] = {}  # open rounds only, ascending seq
+        self.rounds: dict[int, _Round] = {}  # open rounds only, ascending seq
         self.restarts: list[dict[str, Any]] = []
         self.marker_epoch = 0
         self.seq_bound = 0
+        self.ctrl = ctrl
+
+    @property
+    def ctrl(self) -> CSAController:
+        return self._ctrl
+
+    @ctrl.setter
+    def ctrl(self, ctrl: CSAController) -> None:
+        ctrl.applied_rounds = []  # drained into the audit file by every mutating call
+        self._ctrl = ctrl
 
 
 class CSAStreamHost:
@@ -208,11 +237,12 @@ class CSAStreamHost:
             stream = _Stream(name, spec, spec.controller())
             self._streams[name] = stream
         elif spec.controller_config() != stream.spec.controller_config():
+            # A new epoch under the new configuration; open rounds keep their seqs and labels.
             old = stream.ctrl
             ctrl = spec.controller()
-            ctrl.start_new_epoch(old.epoch + 1, next_seq=old.state_dict()["next_seq"])
+            ctrl.carry_over(old)
             stream.restarts.append(self._event("config_changed", ctrl, old.metrics()))
-            stream.ctrl, stream.spec, stream.decided_at = ctrl, spec, {}
+            stream.ctrl, stream.spec = ctrl, spec
         else:
             stream.spec = spec
         if policy is not None or scorer is not None:
@@ -236,20 +266,26 @@ class CSAStreamHost:
 
     # ----------------------------------------------------------------- rounds
 
-    def decide(self, name: str, score: float) -> dict[str, Any]:
-        """Issue the next seq of stream `name` and decide release for calibrated `score`.
+    def decide(self, name: str, score: float, source: str = "feedback") -> dict[str, Any]:
+        """Issue the next seq of stream `name` and decide release for calibrated `score`; only
+        `source` (one of LABEL_SOURCES) may label the round.
 
         Returns seq, release, threshold (None = nothing certified), epoch and the versions serving
         this round; the round is durable before this returns.
         """
+        if source not in LABEL_SOURCES:
+            raise ValueError(f"label source must be one of {LABEL_SOURCES}, got {source!r}")
         stream = self._get(name)
         self._expire(stream)
         decision = stream.ctrl.decide(score)
         now = self.clock()
-        stream.decided_at[decision.seq] = now
-        _prune(stream)  # sparse mode applies unverified rounds at decision time
+        stream.rounds[decision.seq] = _Round(now, decision.threshold, source)
+        self._audit(stream)  # sparse mode applies unverified rounds at decision time
+        _prune(stream)
         self._cover(stream)
-        self._append(stream, {"seq": decision.seq, "score": float(score), "time": now})
+        self._append(
+            stream, {"seq": decision.seq, "score": float(score), "time": now, "source": source}
+        )
         return {
             "stream": name,
             "seq": decision.seq,
@@ -259,14 +295,23 @@ class CSAStreamHost:
             "versions": stream.ctrl.versions_at(decision.seq),
         }
 
-    def observe(self, name: str, seq: int, passed: bool) -> dict[str, Any]:
-        """Apply the verifier's label for `seq` (in seq order, via the reorder buffer).
+    def observe(
+        self, name: str, seq: int, passed: bool, source: str = "feedback"
+    ) -> dict[str, Any]:
+        """Apply the label for `seq` from `source` (in seq order, via the reorder buffer).
 
-        UnknownSeqError / AlreadyLabelledError leave the stream untouched (a retried label is
-        harmless). Returns the seq, the label, and the stream's deployed threshold afterwards.
+        UnknownSeqError / AlreadyLabelledError, and LabelSourceError for a source other than the
+        round's, leave the stream untouched (a retried label is harmless). Returns the seq, the
+        label, and the stream's deployed threshold afterwards.
         """
         stream = self._get(name)
         self._expire(stream)
+        open_round = stream.rounds.get(seq) if isinstance(seq, int) else None
+        if open_round is not None and open_round.source != source and stream.ctrl.wants_label(seq):
+            raise LabelSourceError(
+                f"seq {seq} is labelled by {open_round.source}, fixed when it was decided; "
+                f"a {source} label is refused"
+            )
         stream.ctrl.observe(seq, passed)
         self._persist(stream)
         return {
@@ -330,6 +375,10 @@ class CSAStreamHost:
             "version_history": state["versions"],
         }
 
+    def audit_path(self, name: str) -> Path:
+        """The append-only record of the applied rounds of `name` (JSON lines)."""
+        return self.root / f"{name}{_AUDIT_SUFFIX}"
+
     def state(self, name: str) -> dict[str, Any]:
         """The stream exactly as persisted (controller snapshot, open-round times, restarts)."""
         return self._record(self._get(name))
@@ -348,8 +397,8 @@ class CSAStreamHost:
             return []
         deadline = self.clock() - timeout
         expired = []
-        for seq, decided in list(stream.decided_at.items()):
-            if decided <= deadline and stream.ctrl.wants_label(seq):
+        for seq, open_round in list(stream.rounds.items()):
+            if open_round.decided_at <= deadline and stream.ctrl.wants_label(seq):
                 stream.ctrl.expire(seq)
                 expired.append(seq)
         if expired:
@@ -377,7 +426,9 @@ class CSAStreamHost:
             "stream": stream.name,
             "spec": stream.spec.to_dict(),
             "controller": stream.ctrl.state_dict(),
-            "decided_at": [[seq, t] for seq, t in stream.decided_at.items()],
+            "rounds": [
+                [seq, r.decided_at, r.threshold, r.source] for seq, r in stream.rounds.items()
+            ],
             "restarts": [dict(r) for r in stream.restarts],
         }
 
@@ -420,8 +471,53 @@ class CSAStreamHost:
         f.flush()
         os.fdatasync(f.fileno())
 
+    def _audit(self, stream: _Stream) -> None:
+        """Append (and sync) a line per round the controller applied since the last call."""
+        applied = stream.ctrl.applied_rounds
+        if not applied:
+            return
+        now = self.clock()
+        lines = []
+        for r in applied:
+            open_round = stream.rounds.get(r.seq)
+            label = (
+                "unverified"
+                if r.passed is None
+                else "expired"
+                if r.expired
+                else "pass"
+                if r.passed
+                else "fail"
+            )
+            lines.append(
+                json.dumps(
+                    {
+                        "seq": r.seq,
+                        "epoch": r.epoch,
+                        "in_epoch": r.epoch == stream.ctrl.epoch,
+                        "versions": stream.ctrl.versions_at(r.seq),
+                        "score": r.score,
+                        "threshold": None if open_round is None else open_round.threshold,
+                        "action": "release" if r.released else "abstain",
+                        "label": label,
+                        "source": None if open_round is None else open_round.source,
+                        "decided_at": None if open_round is None else open_round.decided_at,
+                        "applied_at": now,
+                    },
+                    sort_keys=True,
+                )
+            )
+        applied.clear()
+        path = self.audit_path(stream.name)
+        with open(path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fdatasync(f.fileno())
+
     def _persist(self, stream: _Stream) -> None:
-        """Marker (if needed), then the snapshot, which makes the journal's lines redundant."""
+        """Audit lines, marker (if needed), then the snapshot, which makes the journal's lines
+        redundant."""
+        self._audit(stream)
         _prune(stream)
         self._cover(stream)
         write_record(self.root / f"{stream.name}{_STATE_SUFFIX}", self._record(stream))
@@ -437,7 +533,7 @@ class CSAStreamHost:
             try:
                 spec = StreamSpec.from_dict(state["spec"])
                 stream = _Stream(name, spec, CSAController.from_state_dict(state["controller"]))
-                stream.decided_at = {int(s): float(t) for s, t in state["decided_at"]}
+                stream.rounds = _read_rounds(state)
                 stream.restarts = [dict(r) for r in state["restarts"]]
             except (KeyError, TypeError, ValueError) as err:
                 state, state_err = None, f"{state_path.name}: unusable snapshot ({err})"
@@ -484,15 +580,31 @@ def _replay(stream: _Stream, entries: list[dict[str, Any]]) -> None:
         decided = stream.ctrl.decide(float(entry["score"]))
         if decided.seq != seq:
             raise ValueError(f"replayed decision got seq {decided.seq}, journal says {seq}")
-        stream.decided_at[seq] = float(entry["time"])
+        source = entry.get("source", "feedback")
+        stream.rounds[seq] = _Round(float(entry["time"]), decided.threshold, source)
+        # Rounds sparse mode applies on replay were audited when first decided.
+        stream.ctrl.applied_rounds.clear()
         _prune(stream)
 
 
+def _read_rounds(state: dict[str, Any]) -> dict[int, _Round]:
+    """The open rounds of a snapshot (one written before label sources has decision times only:
+    its rounds are feedback-labelled, their thresholds unknown)."""
+    if "rounds" not in state:
+        return {int(s): _Round(float(t), None, "feedback") for s, t in state["decided_at"]}
+    rounds = {}
+    for seq, t, threshold, source in state["rounds"]:
+        if source not in LABEL_SOURCES:
+            raise ValueError(f"round {seq}: unknown label source {source!r}")
+        rounds[int(seq)] = _Round(float(t), None if threshold is None else float(threshold), source)
+    return rounds
+
+
 def _prune(stream: _Stream) -> None:
-    """Forget the decision times of applied rounds (those below the apply queue's head)."""
+    """Forget the applied rounds (those below the apply queue's head)."""
     head = stream.ctrl.blocking_seq
-    for seq in [s for s in stream.decided_at if head is None or s < head]:
-        del stream.decided_at[seq]
+    for seq in [s for s in stream.rounds if head is None or s < head]:
+        del stream.rounds[seq]
 
 
 def _try_read(path: Path) -> tuple[dict[str, Any] | None, str]:

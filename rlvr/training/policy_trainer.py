@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ import peft
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import default_pg_timeout
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -39,6 +39,7 @@ from rlvr.generation.base import scored_positions
 from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
 from rlvr.training.data_parallel import mini_batch_bounds, token_budget_rows
 from rlvr.training.lm_head import head_calls_needed, loss_token_stats
+from rlvr.training.rendezvous import LOOPBACK, master_store
 from rlvr.training.shared_prefix import BLOCK_MASK_ATTENTION, packed_length, prompt_groups
 from rlvr.training.weight_sync import TensorSpec
 
@@ -55,9 +56,9 @@ def init_distributed() -> None:
     """Join the process group DeepSpeed needs, starting a one-process group when none is set up.
 
     A launcher (Ray placement group, torchrun) sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-    MASTER_PORT; without them this process is rank 0 of 1 on 127.0.0.1 and a free port. CPU uses
-    gloo (DeepSpeed would pick oneCCL if its bindings were installed); GPUs use the accelerator's
-    backend (nccl).
+    MASTER_PORT; without them this process is rank 0 of 1 on 127.0.0.1 and a port the OS picks.
+    CPU uses gloo (DeepSpeed would pick oneCCL if its bindings were installed); GPUs use the
+    accelerator's backend (nccl).
     """
     skip_shared_memory_all_reduce()
     if dist.is_initialized():
@@ -67,24 +68,49 @@ def init_distributed() -> None:
         os.environ.setdefault("RANK", str(dist.get_rank()))
         os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
         return
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     for key, value in (
-        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_ADDR", LOOPBACK),
         ("RANK", "0"),
         ("LOCAL_RANK", "0"),
         ("WORLD_SIZE", "1"),
     ):
         os.environ.setdefault(key, value)
     accelerator = get_accelerator()
+    device_id = None
     if accelerator.device_name() == "cpu":
         backend = "gloo"
     else:
         backend = accelerator.communication_backend_name()
-        accelerator.set_device(int(os.environ["LOCAL_RANK"]))
+        local_rank = int(os.environ["LOCAL_RANK"])
+        accelerator.set_device(local_rank)
+        if int(os.environ["WORLD_SIZE"]) > 1:
+            device_id = local_rank  # as DeepSpeed's own init binds it (eager NCCL, comm splits)
+    join_default_group(backend, device_id)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def join_default_group(backend: str, device_id: int | None) -> None:
+    """Start torch's default process group as the launcher's variables say, over a store that
+    rank 0 serves on MASTER_ADDR alone (torch's env:// store listens on every interface); rank 0
+    without MASTER_PORT takes a port the OS picks and records it."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    address = os.environ["MASTER_ADDR"]
+    if rank == 0:
+        store = master_store(
+            address, int(os.environ.get("MASTER_PORT", 0)), world_size, default_pg_timeout
+        )
+        os.environ["MASTER_PORT"] = str(store.port)
+    else:
+        port = int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(address, port, world_size, timeout=default_pg_timeout)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=default_pg_timeout,
+        device_id=device_id,
+    )
 
 
 def skip_shared_memory_all_reduce() -> None:
@@ -267,6 +293,11 @@ class PolicyTrainer:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
+        if self.world_size == 1 and zero_stage == 0:
+            # Alone, the gradient all-reduce is an identity (a sum over one rank, times 1.0) that
+            # still copies every gradient into one flat buffer and back: a model-sized transient
+            # at the end of each step's backward. Skipping it leaves every gradient bit-identical.
+            self.engine.enable_backward_allreduce = False
         self.steps = 0
 
     # ------------------------------------------------------------------ log-probs

@@ -26,6 +26,8 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
+from rlvr.training.rendezvous import master_store
+
 ROOT = 0
 """The sender's rank (policy rank 0); engines are ranks 1..M."""
 
@@ -128,13 +130,10 @@ def local_device() -> torch.device:
 
 
 def serve_store(host: str, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> dist.TCPStore:
-    """Rank 0's rendezvous store on ``host`` (this node's address), on a port the OS picks
-    (``store.port``), so no other process can take the port between choosing and binding it.
-    ``timeout_s`` bounds the rendezvous and, through `open_group`, every broadcast."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.TCPStore(
-        host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout
-    )
+    """Rank 0's rendezvous store, listening on ``host`` alone (the address the engines join:
+    `rendezvous.run_addresses`), on a port the OS picks (``store.port``). ``timeout_s`` bounds the
+    rendezvous and, through `open_group`, every broadcast."""
+    return master_store(host, 0, world_size, datetime.timedelta(seconds=timeout_s))
 
 
 def join_store(

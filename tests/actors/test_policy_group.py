@@ -11,6 +11,7 @@ import torch
 
 from actors.policy import PolicyActor
 from rlvr.training.batch import build_batch
+from rlvr.training.rendezvous import LOOPBACK
 from workflows.policy_group import PolicyGroup, rank_environments
 from workflows.workers import ActorFailure, Worker
 
@@ -50,7 +51,10 @@ def _group(
         "seed": 3,
     }
     actor = ray.remote(PolicyActor).options(num_cpus=0.1)
-    handles = [actor.remote(**kwargs, distributed=env) for env in rank_environments(ranks)]
+    handles = [
+        actor.remote(**kwargs, distributed=env, address=LOOPBACK)
+        for env in rank_environments(ranks, LOOPBACK)
+    ]
     names = ["PolicyActor"] if ranks == 1 else [f"PolicyActor {r}" for r in range(ranks)]
     group = PolicyGroup([Worker(h, n) for h, n in zip(handles, names, strict=True)], MINI_BATCHES)
     group.run("ready")

@@ -1,28 +1,89 @@
-"""VerifierPool: spreads work over actors, keeps order, turns a dead actor into failed rewards."""
+"""VerifierPool: spreads work over actors, keeps order, and re-runs the items of an actor that dies
+so that the result is the uninterrupted pool's; only an input that kills every actor it reaches
+fails, after a bounded number of runs."""
 
+import os
+import threading
+
+import pytest
 import ray
 
-from actors.verifier import VerifierPool
+from actors.verifier import MAX_RERUNS, VerifierActor, VerifierPool
+
+pytestmark = pytest.mark.ray
+
+RESPONSES = [
+    "\\boxed{4}",
+    "\\boxed{5}",
+    "no answer here",
+    "The answer is 7",
+    "\\boxed{\\frac{1}{2}}",
+]
+GOLDS = ["4", "4", "1", "7", "0.5"]
+SCORED = [(1.0, "correct"), (0.0, "wrong"), (0.0, "no_answer"), (1.0, "correct"), (1.0, "correct")]
+# sympy cannot finish this comparison: the actor's worker times out on it (a verdict, "timeout")
+SLOW = "\\boxed{9^{9^{9^{9}}}}"
+KILLER = "this response takes its verifier actor down"
 
 
-def test_pool_scores_in_order_and_survives_a_dead_actor(ray_cluster):
+class KilledByOneInput(VerifierActor):
+    """A verifier actor whose process dies whenever its batch holds KILLER."""
+
+    def score(self, responses: list[str], golds: list[str]) -> list[tuple[float, str]]:
+        if KILLER in responses:
+            os._exit(1)
+        return super().score(responses, golds)
+
+
+class KilledByOneInputPool(VerifierPool):
+    actor_class = KilledByOneInput
+
+
+def test_pool_scores_in_order_and_reruns_a_dead_actors_items(ray_cluster):
     pool = VerifierPool(size=2, timeout_s=3.0)
     try:
-        responses = ["\\boxed{4}", "\\boxed{5}", "no answer here", "The answer is 7"]
-        golds = ["4", "4", "1", "7"]
-        assert pool.score(responses, golds) == [
-            (1.0, "correct"),
-            (0.0, "wrong"),
-            (0.0, "no_answer"),
-            (1.0, "correct"),
-        ]
-        # kill one actor: its items fail, the others are scored, and the pool replaces it
+        assert pool.score(RESPONSES, GOLDS) == SCORED
         ray.kill(pool.actors[0], no_restart=True)
-        out = pool.score(responses, golds)
-        assert out[0] == (0.0, "error") and out[2] == (0.0, "error")
-        assert out[1] == (0.0, "wrong") and out[3] == (1.0, "correct")
+        # its items (0, 2, 4) run on the live actors, the replacement included: nothing changes
+        assert pool.score(RESPONSES, GOLDS) == SCORED
         assert pool.replaced == 1
-        assert pool.score(responses, golds)[0] == (1.0, "correct")
+        assert pool.score(RESPONSES, GOLDS) == SCORED and pool.replaced == 1
+    finally:
+        pool.shutdown()
+
+
+def test_an_actor_killed_while_scoring_changes_nothing(ray_cluster):
+    """Actor 0's chunk holds an item that runs for the full per-item timeout (2 s); the actor is
+    killed 0.5 s into the call, between submit and get."""
+    pool = VerifierPool(size=2, timeout_s=2.0)
+    responses, golds = [SLOW, *RESPONSES], ["1", *GOLDS]
+    try:
+        uninterrupted = pool.score(responses, golds)
+        assert uninterrupted == [(0.0, "timeout"), *SCORED]
+        victim = pool.actors[0]
+        killer = threading.Timer(0.5, ray.kill, args=(victim,), kwargs={"no_restart": True})
+        killer.start()
+        try:
+            interrupted = pool.score(responses, golds)
+        finally:
+            killer.join()
+        # exact: verification is a pure function of (response, gold)
+        assert interrupted == uninterrupted
+        assert pool.replaced == 1 and victim not in pool.actors
+    finally:
+        pool.shutdown()
+
+
+def test_an_input_that_kills_every_actor_fails_after_bounded_reruns(ray_cluster):
+    pool = KilledByOneInputPool(size=2, timeout_s=3.0)
+    responses, golds = [KILLER, *RESPONSES], ["1", *GOLDS]
+    try:
+        out = pool.score(responses, golds)
+        # the items that shared KILLER's chunk were re-run alone and scored
+        assert out == [(0.0, "verifier_failed"), *SCORED]
+        # the first run and MAX_RERUNS re-runs, each taking an actor down
+        assert pool.replaced == 1 + MAX_RERUNS
+        assert pool.score(RESPONSES, GOLDS) == SCORED
     finally:
         pool.shutdown()
 
@@ -30,7 +91,8 @@ def test_pool_scores_in_order_and_survives_a_dead_actor(ray_cluster):
 def test_pathological_input_times_out_not_hangs(ray_cluster):
     pool = VerifierPool(size=1, timeout_s=1.0)
     try:
-        out = pool.score(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{3}"], ["1", "3"])
+        out = pool.score([SLOW, "\\boxed{3}"], ["1", "3"])
         assert out == [(0.0, "timeout"), (1.0, "correct")]
+        assert pool.replaced == 0
     finally:
         pool.shutdown()

@@ -7,6 +7,7 @@ in the same state, the policy's; a dead engine is named.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +19,7 @@ from actors.policy import PolicyActor
 from rlvr.config import load_config
 from rlvr.models.tiny import build_tiny_model
 from rlvr.training.batch import build_batch
+from rlvr.training.rendezvous import LOOPBACK
 from workflows.policy_group import PolicyGroup, rank_environments
 from workflows.weight_sync import CollectiveSync, ColocatedSync, ObjectStoreSync, make_weight_sync
 from workflows.workers import ActorFailure, Worker
@@ -53,7 +55,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def engines(ray_cluster, model_dir):
     actor = ray.remote(GeneratorActor).options(num_cpus=0.1)
-    handles = [actor.remote("vllm", str(model_dir), threads=1, **ENGINE) for _ in range(2)]
+    handles = [
+        actor.remote("vllm", str(model_dir), threads=1, address=LOOPBACK, **ENGINE)
+        for _ in range(2)
+    ]
     pool = Members([Worker(h, f"GeneratorActor {i}") for i, h in enumerate(handles)])
     for worker in pool.workers:
         worker.run("ready")
@@ -66,8 +71,8 @@ def _policy(model_dir, ranks: int, **overrides) -> tuple[PolicyGroup, list]:
     kwargs = {"zero_stage": 0, "lr": 5e-3, "micro_batch_size": 2, "seed": 0, **overrides}
     actor = ray.remote(PolicyActor).options(num_cpus=0.1)
     handles = [
-        actor.remote(str(model_dir), threads=1, distributed=env, **kwargs)
-        for env in rank_environments(ranks)
+        actor.remote(str(model_dir), threads=1, distributed=env, address=LOOPBACK, **kwargs)
+        for env in rank_environments(ranks, LOOPBACK)
     ]
     group = PolicyGroup([Worker(h, f"PolicyActor {r}") for r, h in enumerate(handles)])
     group.run("ready")
@@ -130,6 +135,24 @@ def test_collective_and_object_store_sync_load_the_same_weights(policy, engines)
         collective.close()
 
 
+def test_no_member_of_a_weight_group_listens_beyond_the_loopback(
+    policy, engines, listening, loopback
+):
+    """Policy rank 0 (DeepSpeed's group, the weight store) and two vLLM engines started on one
+    node as a run starts them: every listener of theirs (Ray's own included) is on the loopback."""
+    collective = CollectiveSync(policy, engines, torch.float32, BUCKET_BYTES, TIMEOUT_S)
+    try:
+        members = [*policy.workers, *engines.workers]
+        pids = ray.get([w.target.__ray_call__.remote(lambda _: os.getpid()) for w in members])
+        found = {pid: listening(pid) for pid in pids}
+        assert all(found.values())
+        assert {pid: [x for x in got if not loopback(x[0])] for pid, got in found.items()} == {
+            pid: [] for pid in pids
+        }
+    finally:
+        collective.close()
+
+
 def test_zero3_lora_ranks_all_join_the_broadcast_or_hand_over_to_their_engine(model_dir, engines):
     """Two ZeRO-3 LoRA ranks: the broadcast from rank 0, then each rank handing its own engine
     the buckets (colocated), leave the engines holding the policy's weights; the hand-over
@@ -161,9 +184,13 @@ def test_zero3_lora_ranks_all_join_the_broadcast_or_hand_over_to_their_engine(mo
             ray.kill(h, no_restart=True)
 
 
-def test_auto_is_the_object_store_for_one_engine_and_in_process_workers(policy, engines):
+def test_auto_is_collective_for_actors_and_the_object_store_for_in_process_workers(policy, engines):
     cfg = load_config(None, [f"sync.bucket_mb={BUCKET_MB}"])
-    assert isinstance(make_weight_sync(cfg, policy, Members(engines.workers[:1])), ObjectStoreSync)
+    one_engine = make_weight_sync(cfg, policy, Members(engines.workers[:1]))
+    try:
+        assert isinstance(one_engine, CollectiveSync)
+    finally:
+        one_engine.close()
     in_process = Members([Worker(object(), "GeneratorActor")])
     assert isinstance(make_weight_sync(cfg, policy, in_process), ObjectStoreSync)
     collective = load_config(None, ["sync.transport=collective"])

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,3 +95,93 @@ def tiny_train_args():
 @pytest.fixture(scope="session")
 def tiny_config() -> Path:
     return TINY
+
+
+TIMING_KEYS = ("time_", "tokens_per_s", "eval_seconds")
+
+
+def deterministic(record: dict) -> dict:
+    """A log record without its wall-clock fields (what must match across equivalent runs)."""
+    return {k: v for k, v in record.items() if not k.startswith(TIMING_KEYS)}
+
+
+@pytest.fixture
+def run_records() -> Callable[[Path, str], list[dict]]:
+    """`run_records(run_dir, "metrics.jsonl")`: the file's records without wall-clock fields."""
+
+    def read(run_dir: Path, name: str) -> list[dict]:
+        lines = (run_dir / name).read_text().splitlines()
+        return [deterministic(json.loads(line)) for line in lines]
+
+    return read
+
+
+@pytest.fixture
+def assert_same_weights() -> Callable[[Path, Path], None]:
+    """`assert_same_weights(run_a, run_b)`: the final models are bit-identical."""
+    from safetensors.torch import load_file
+
+    def check(a: Path, b: Path) -> None:
+        wa = load_file(a / "final" / "model.safetensors")
+        wb = load_file(b / "final" / "model.safetensors")
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            assert (wa[k] == wb[k]).all(), k  # exact: a resumed run must redo the same floats
+
+    return check
+
+
+class RunControl:
+    """Drive a `rlvr train` subprocess from a test: wait for its commits, SIGKILL its actors (as
+    the OOM killer or a lost node would) or the driver itself."""
+
+    @staticmethod
+    def wait_for_commit(
+        proc: subprocess.Popen, ckpt: Path, poll_s: float = 0.5, timeout_s: float = 900
+    ) -> None:
+        """Until the run commits checkpoint `ckpt` (it must not exit before)."""
+        deadline = time.monotonic() + timeout_s
+        while not ckpt.is_dir():
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, f"{ckpt.name} never committed"
+            time.sleep(poll_s)
+
+    @staticmethod
+    def actor_processes(driver: psutil.Process, kind: str) -> list[psutil.Process]:
+        """Live worker processes of actor class `kind` under `driver` (Ray titles them
+        `ray::Class.method`)."""
+        found = []
+        for p in driver.children(recursive=True):
+            try:
+                if p.cmdline()[:1] and p.cmdline()[0].startswith(f"ray::{kind}"):
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
+    def kill_actor(self, proc: subprocess.Popen, kind: str, timeout_s: float = 120) -> int:
+        """SIGKILL one `kind` actor of the run, holding the driver still meanwhile (a tiny step
+        takes well under a second: the driver meets the loss at its next call on that actor);
+        returns the killed pid."""
+        driver = psutil.Process(proc.pid)
+        deadline = time.monotonic() + timeout_s
+        driver.suspend()
+        try:
+            while not (victims := self.actor_processes(driver, kind)):
+                assert time.monotonic() < deadline, f"no {kind} to kill"
+                time.sleep(0.05)
+            victims[0].kill()
+            victims[0].wait(timeout=30)
+            return victims[0].pid
+        finally:
+            driver.resume()
+
+    def kill_driver_after_commit(self, proc: subprocess.Popen, ckpt: Path) -> None:
+        self.wait_for_commit(proc, ckpt)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture
+def run_control() -> RunControl:
+    return RunControl()

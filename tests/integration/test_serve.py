@@ -23,6 +23,7 @@ import yaml
 from rlvr.algorithms.csa import Calibrator, CSAController, make_grid
 from rlvr.config import load_config
 from rlvr.serving.api import Calibration, boxed, checkpoint_fingerprint
+from rlvr.serving.fuzz import CATEGORIES, Credentials, fuzz_cases, tally
 from rlvr.tasks import load_task
 from rlvr.tasks.prompts import prompt_messages
 from rlvr.verifiers.extract import extract_answer
@@ -32,8 +33,12 @@ from workflows.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 SERVE_TINY = ROOT / "configs" / "serve-tiny.yaml"
-STREAMS = ("e2e", "shadow", "bad", "load", "restart")
+STREAMS = ("e2e", "shadow", "bad", "load", "restart", "busy", "crowd", "fuzz", "kill")
 CERTIFY_AFTER = 12
+CLIENT_KEY = "client-key-for-the-tests-0001"
+OPERATOR_KEY = "operator-key-for-the-tests-0001"
+CLIENT = {"authorization": f"Bearer {CLIENT_KEY}"}
+OPERATOR = {"authorization": f"Bearer {OPERATOR_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +101,12 @@ def test_calibrate_writes_map_and_grid_that_serve_accepts(sft_model, tmp_path, c
 
     cfg = load_serve_config(
         SERVE_TINY,
-        [f"model.path={sft_model}", f"csa.calibration={out}", "csa.streams.0.alpha=0.5"],
+        [
+            f"model.path={sft_model}",
+            f"csa.calibration={out}",
+            "csa.streams.0.alpha=0.5",
+            f"csa.state_dir={tmp_path / 'state'}",
+        ],
     )
     prepared = prepare_serve(cfg)
     assert prepared.specs["default"].grid == tuple(cal.grid(0.5, m=15).tolist())
@@ -164,6 +174,9 @@ def server(ray_cluster, sft_model, tmp_path_factory):
         "streams": [{"name": n, "alpha": 0.5, "m": 3} for n in STREAMS],
     }
     spec["http"]["port"] = port
+    spec["http"]["api_keys"] = [CLIENT_KEY]
+    (tmp / "operator.key").write_text(OPERATOR_KEY + "\n")
+    spec["http"]["operator_key_file"] = str(tmp / "operator.key")
     spec["replicas"] = {"num_replicas": 2, "cpus": 0, "max_ongoing_requests": 8}
     (tmp / "serve.yaml").write_text(yaml.safe_dump(spec))
     cfg = load_serve_config(tmp / "serve.yaml")
@@ -199,14 +212,23 @@ def remote_state(server, stream: str) -> dict:
 
 def feedback(url: str, seq: int, passed: bool, stream: str) -> httpx.Response:
     return httpx.post(
-        f"{url}/v1/feedback", json={"seq": seq, "passed": passed, "stream": stream}, timeout=30
+        f"{url}/v1/feedback",
+        json={"seq": seq, "passed": passed, "stream": stream},
+        headers=OPERATOR,
+        timeout=30,
     )
+
+
+def csa_status(url: str, stream: str) -> dict:
+    r = httpx.get(f"{url}/v1/csa/status", params={"stream": stream}, headers=OPERATOR, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["streams"][stream]
 
 
 def openai_client(server):
     import openai
 
-    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key=CLIENT_KEY, max_retries=0)
 
 
 @pytest.mark.ray
@@ -257,9 +279,9 @@ def test_openai_client_end_to_end(server, problems):
         assert r.status_code == 200, r.text
         local.observe(csa["seq"], True)
     assert remote_state(server, "e2e")["controller"] == local.state_dict()
-    status = httpx.get(f"{server['url']}/v1/csa/status", params={"stream": "e2e"}).json()
-    assert status["streams"]["e2e"]["released"] == 2
-    assert status["streams"]["e2e"]["certified"] == [0.3]
+    status = csa_status(server["url"], "e2e")
+    assert status["released"] == 2
+    assert status["certified"] == [0.3]
 
 
 @pytest.mark.ray
@@ -295,9 +317,7 @@ def test_shadow_verification_labels_every_round(server, problems):
         )
     assert labels[seqs[-1]] is False
     deadline = time.monotonic() + 60
-    while httpx.get(f"{url}/v1/csa/status?stream=shadow").json()["streams"]["shadow"][
-        "applied"
-    ] < len(seqs):
+    while csa_status(url, "shadow")["applied"] < len(seqs):
         assert time.monotonic() < deadline, "shadow labels were not applied"
         time.sleep(0.2)
     for seq, passed in labels.items():
@@ -307,6 +327,38 @@ def test_shadow_verification_labels_every_round(server, problems):
     r = feedback(url, seqs[-1], True, "shadow")
     assert r.status_code == 409 and r.json()["error"]["code"] == "already_labelled"
     assert remote_state(server, "shadow")["controller"] == local.state_dict()
+    # Every applied round left one audit line, naming who labelled it.
+    lines = (server["state_dir"] / "shadow.audit.jsonl").read_text().splitlines()
+    audit = [json.loads(line) for line in lines]
+    assert [r["seq"] for r in audit] == seqs
+    assert [r["source"] for r in audit] == ["feedback"] * CERTIFY_AFTER + ["shadow"] * 6
+    assert [r["label"] for r in audit[CERTIFY_AFTER:]] == [
+        "pass" if labels[seq] else "fail" for seq in seqs[CERTIFY_AFTER:]
+    ]
+
+
+@pytest.mark.ray
+def test_feedback_cannot_preempt_the_shadow_verifier(server, problems):
+    """A round decided for shadow verification takes only the verifier's label: feedback that
+    races it is refused, whether it comes before or after the verifier's label is applied."""
+    url = server["url"]
+    client = openai_client(server)
+    tasks, instruction = problems
+    resp = client.chat.completions.create(
+        model=server["model"],
+        messages=prompt_messages(tasks[0], instruction),
+        metadata={"csa_stream": "busy", "reference": tasks[0].answer},
+    )
+    seq = resp.csa["seq"]
+    r = feedback(url, seq, True, "busy")
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] in ("label_source_fixed", "already_labelled")
+    deadline = time.monotonic() + 60
+    while csa_status(url, "busy")["pending"]:
+        assert time.monotonic() < deadline, "the shadow label was not applied"
+        time.sleep(0.2)
+    line = json.loads((server["state_dir"] / "busy.audit.jsonl").read_text().splitlines()[-1])
+    assert (line["seq"], line["source"]) == (seq, "shadow")
 
 
 def bad_requests(server) -> list[tuple[str, str, dict, int]]:
@@ -376,6 +428,32 @@ def bad_requests(server) -> list[tuple[str, str, dict, int]]:
         ("GET", "/v1/csa/status?stream=nope", {}, 404),
         ("GET", "/v1/nothing", {}, 404),
         ("GET", cc, {}, 405),
+        # the score has one definition: the calibrated budget, the calibrated prompt form
+        ("POST", cc, {"json": chat | {"max_tokens": 8}}, 400),
+        ("POST", cc, {"json": chat | {"messages": [{"role": "system", "content": "x"}]}}, 400),
+        # credentials: none, made up, a client key where the operator key is needed
+        ("POST", cc, {"json": chat, "headers": {"authorization": None}}, 401),
+        ("POST", cc, {"json": chat, "headers": {"authorization": "Bearer made-up-key-0001"}}, 401),
+        ("GET", "/v1/models", {"headers": {"authorization": None}}, 401),
+        (
+            "POST",
+            fb,
+            {"json": {"seq": 0, "passed": False, "stream": "bad"}, "headers": CLIENT},
+            403,
+        ),
+        (
+            "POST",
+            fb,
+            {
+                "json": {"seq": 0, "passed": False, "stream": "bad"},
+                "headers": {"authorization": None},
+            },
+            401,
+        ),
+        ("GET", "/v1/csa/status", {"headers": CLIENT}, 403),
+        # a page on another origin that rebinds its own name to 127.0.0.1
+        ("POST", cc, {"json": chat, "headers": {"host": "evil.example"}}, 403),
+        ("GET", "/v1/csa/status", {"headers": {"host": "evil.example:8000"}}, 403),
     ]
 
 
@@ -401,7 +479,9 @@ def test_bad_input_is_4xx_json_and_changes_nothing(server):
     files = {p.name: p.read_bytes() for p in server["state_dir"].iterdir()}
     with httpx.Client(base_url=url, timeout=30) as http:
         for method, path, kwargs, status in bad_requests(server):
-            r = http.request(method, path, **kwargs)
+            # The operator key unless the row sends other credentials (None: none at all).
+            headers = {k: v for k, v in (OPERATOR | kwargs.get("headers", {})).items() if v}
+            r = http.request(method, path, **(kwargs | {"headers": headers}))
             assert r.status_code == status, (path, kwargs.get("json"), r.text)
             body = r.json()
             assert "error" in body or "detail" in body
@@ -426,7 +506,7 @@ def test_loopback_load_no_5xx_no_lost_or_double_labels(server, problems):
     def client_loop(c: int) -> None:
         try:
             client = openai_client(server)
-            with httpx.Client(base_url=url, timeout=60) as http:
+            with httpx.Client(base_url=url, timeout=60, headers=OPERATOR) as http:
                 for j in range(per_client):
                     i = c * per_client + j
                     resp = client.chat.completions.create(
@@ -457,7 +537,7 @@ def test_loopback_load_no_5xx_no_lost_or_double_labels(server, problems):
     assert seqs == list(range(total))
     duplicates = sum(1 for s in seqs if s % 5 == 0)
     assert sorted(statuses) == [200] * total + [409] * duplicates
-    status = httpx.get(f"{url}/v1/csa/status?stream=load").json()["streams"]["load"]
+    status = csa_status(url, "load")
     assert (status["applied"], status["pending"], status["expired"]) == (total, 0, 0)
     # Decisions raced with labels, but the e-processes only see (score, label) in seq order.
     by_seq = {r["seq"]: r for r in results}
@@ -487,7 +567,7 @@ def test_controller_restart_restores_the_stream_exactly(server):
 
     url, controller = server["url"], server["controller"]
     local = replay(server, "restart")
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=url, timeout=60, headers=CLIENT) as http:
         body = {
             "model": server["model"],
             "messages": [{"role": "user", "content": "5+3?"}],
@@ -505,7 +585,7 @@ def test_controller_restart_restores_the_stream_exactly(server):
         assert tuple(local.decide(csa["score"])) == (6, csa["released"], None)
         before = remote_state(server, "restart")
         assert before["controller"] == local.state_dict()
-        assert [seq for seq, _ in before["decided_at"]] == [1, 2, 3, 4, 5, 6]
+        assert [seq for seq, *_ in before["rounds"]] == [1, 2, 3, 4, 5, 6]
         others = {s: remote_state(server, s) for s in STREAMS if s != "restart"}
         pid = ray.get(controller.__ray_call__.remote(getpid))
 
@@ -531,3 +611,226 @@ def test_controller_restart_restores_the_stream_exactly(server):
         assert tuple(local.decide(csa["score"])) == (csa["seq"], csa["released"], None)
         assert csa["seq"] == 7
     assert remote_state(server, "restart")["controller"] == local.state_dict()
+
+
+@pytest.mark.ray
+def test_a_full_replica_answers_429_with_retry_after(server, problems):
+    """More concurrent completions than the replicas hold: the excess gets a JSON 429 with
+    Retry-After at once, the rest are answered, and every decided round is accounted for."""
+    url = server["url"]
+    tasks, instruction = problems
+    n = 48  # 2 replicas hold 8 each; Serve routes up to 16 each
+    barrier = threading.Barrier(n)
+    answers: list[tuple[int, dict, dict]] = []
+
+    def one(i: int) -> None:
+        body = {
+            "model": server["model"],
+            "messages": prompt_messages(tasks[i % len(tasks)], instruction),
+            "seed": i,
+            "metadata": {"csa_stream": "crowd"},
+        }
+        barrier.wait()
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=CLIENT, timeout=120)
+        answers.append((r.status_code, dict(r.headers), r.json()))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    codes = sorted(code for code, _, _ in answers)
+    assert len(codes) == n and set(codes) <= {200, 429}, codes
+    busy = [(h, b) for code, h, b in answers if code == 429]
+    assert busy, "no request was refused: the limit did not bind"
+    for headers, body in busy:
+        assert body["error"]["code"] == "server_busy" and int(headers["retry-after"]) >= 1
+    served = sorted(b["csa"]["seq"] for code, _, b in answers if code == 200)
+    assert served == list(range(len(served)))  # refused requests took no seq
+    assert csa_status(url, "crowd")["decided"] == len(served)
+
+
+@pytest.mark.ray
+def test_seeded_fuzz_is_all_4xx_json_and_changes_nothing(server):
+    """A bounded slice of bench/serve_load.py's fuzz run: 20 seeded cases per category."""
+    url = server["url"]
+    creds = Credentials(
+        client_key=CLIENT_KEY,
+        operator_key=OPERATOR_KEY,
+        model=server["model"],
+        stream="fuzz",
+        max_body_bytes=server["cfg"].http.max_body_bytes,
+        max_tokens=server["calibration"].max_tokens,
+    )
+    cases = fuzz_cases(20 * len(CATEGORIES), creds, seed=0)
+    before = {s: remote_state(server, s) for s in STREAMS}
+    files = {p.name: p.read_bytes() for p in server["state_dir"].iterdir()}
+    results, not_json = [], []
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for case in cases:
+            r = http.request(case.method, case.path, content=case.body, headers=case.headers)
+            results.append((case.category, r.status_code))
+            try:
+                r.json()
+            except ValueError:
+                not_json.append((case.category, r.status_code, r.text[:80]))
+        table = tally(results)
+        assert all(set(row) == {"4xx"} for row in table.values()), table
+        assert not not_json, not_json[:5]
+        # Still healthy: a valid request is answered.
+        ok = http.post(CHAT_PATH, json=valid_chat(server, "fuzz"), headers=CLIENT)
+        assert ok.status_code == 200, ok.text
+    after = {s: remote_state(server, s) for s in STREAMS}
+    assert {s: after[s] for s in STREAMS if s != "fuzz"} == {
+        s: before[s] for s in STREAMS if s != "fuzz"
+    }
+    assert after["fuzz"]["controller"]["next_seq"] == before["fuzz"]["controller"]["next_seq"] + 1
+    assert {
+        p.name: p.read_bytes() for p in server["state_dir"].iterdir() if "fuzz" not in p.name
+    } == {k: v for k, v in files.items() if "fuzz" not in k}
+
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+def valid_chat(server, stream: str, seed: int = 0) -> dict:
+    return {
+        "model": server["model"],
+        "messages": [{"role": "user", "content": "3+4?"}],
+        "seed": seed,
+        "metadata": {"csa_stream": stream},
+    }
+
+
+def replica_handles():
+    import ray
+
+    names = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and "CSAServer" in a["name"]
+    ]
+    return [(a["name"], ray.get_actor(a["name"], namespace=a["namespace"])) for a in names]
+
+
+@pytest.mark.ray
+def test_a_replica_killed_under_load_leaves_the_streams_intact(server):
+    """Clients post completions and label each answer while one replica is SIGKILLed: requests
+    it held fail (5xx from the proxy), Serve starts a replacement, and the stream's state is
+    exactly the labels the clients applied, each once; rounds whose answer was lost stay open
+    for their timeout."""
+    import ray
+
+    url = server["url"]
+    replicas = replica_handles()
+    assert len(replicas) == 2
+    answers, statuses = [], []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(c: int) -> None:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            for j in range(12):
+                if stop.is_set():
+                    return
+                r = http.post(
+                    CHAT_PATH, json=valid_chat(server, "kill", 100 * c + j), headers=CLIENT
+                )
+                with lock:
+                    statuses.append(r.status_code)
+                if r.status_code != 200:
+                    continue
+                seq = r.json()["csa"]["seq"]
+                body = {"seq": seq, "passed": True, "stream": "kill"}
+                for attempt in range(5):  # a label sent to the dying replica is sent again
+                    fb = http.post("/v1/feedback", json=body, headers=OPERATOR)
+                    if fb.status_code < 500:
+                        break
+                    time.sleep(0.2 * 2**attempt)
+                with lock:
+                    answers.append((seq, fb.status_code))
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(3)]
+    for t in threads:
+        t.start()
+    while len(answers) < 4:
+        time.sleep(0.05)
+    name, victim = replicas[0]
+    ray.kill(victim, no_restart=True)
+    for t in threads:
+        t.join(timeout=300)
+    assert len(statuses) == 36
+    failed = [code for code in statuses if code != 200]
+    assert all(code >= 500 for code in failed), statuses
+    # Every answer that reached its client took its label, once (409: a retried label whose
+    # first post got in before its replica died).
+    assert {code for _, code in answers} <= {200, 409}, answers
+    labelled = {seq for seq, _ in answers}
+    state = remote_state(server, "kill")["controller"]
+    decided = state["next_seq"] - state["first_seq"]
+    waiting = {seq for seq, *_ in state["labels"]}
+    # Applied rounds and labels waiting behind a lost round are exactly the clients' labels ...
+    assert state["applied"] + len(waiting) == len(labelled) and waiting <= labelled
+    # ... and the rounds still open are those whose answer died with the replica.
+    lost = {seq for seq, *_ in state["pending"]} - waiting
+    assert not lost & labelled and len(lost) == decided - len(labelled) <= len(failed)
+    # Serve replaces the replica; the deployment answers again.
+    deadline = time.monotonic() + 120
+    while len(names := {n for n, _ in replica_handles()}) < 2 or name in names:
+        assert time.monotonic() < deadline, "Serve did not replace the replica"
+        time.sleep(0.5)
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for i in range(4):
+            r = http.post(CHAT_PATH, json=valid_chat(server, "kill", 1000 + i), headers=CLIENT)
+            assert r.status_code == 200, r.text
+
+
+def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli):
+    """`rlvr serve` as a user starts it: it serves, prints where the operator key is, opens
+    /v1/csa/status only to that key, and shuts down cleanly on Ctrl-C."""
+    import signal
+
+    cal = Calibration(
+        calibrator=Calibrator([0.0, 1.0], [0.05, 0.3]),
+        raw_scores=[0.0, 1.0],
+        passed=[True, False],
+        k=2,
+        temperature=0.7,
+        top_p=1.0,
+        max_tokens=8,
+    )
+    cal.save(tmp_path / "cal.json")
+    port = free_port()
+    sets = [
+        f"model.path={sft_model}",
+        f"csa.calibration={tmp_path / 'cal.json'}",
+        f"csa.state_dir={tmp_path / 'state'}",
+        "csa.streams.0.alpha=0.5",
+        "generation.backend=hf",
+        f"http.port={port}",
+        "replicas.cpus=0",
+    ]
+    proc = run_cli(["serve", "--config", str(SERVE_TINY), *[f"--set={s}" for s in sets]])
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))
+    reader.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not any(line.startswith("serving ") for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
+        key = (tmp_path / "state" / "operator.key").read_text().strip()
+        assert httpx.get(f"{url}/v1/csa/status", timeout=30).status_code == 401
+        status = httpx.get(
+            f"{url}/v1/csa/status", headers={"authorization": f"Bearer {key}"}, timeout=30
+        )
+        assert status.status_code == 200 and "default" in status.json()["streams"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+        reader.join(timeout=30)
+    log = "".join(lines)
+    assert proc.returncode == 0, log[-4000:]
+    assert f"operator key for /v1/feedback and /v1/csa/status: {tmp_path / 'state'}" in log

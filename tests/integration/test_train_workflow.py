@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import signal
-import time
 
 import pytest
-from safetensors.torch import load_file
 
 from workflows.cli import main as cli_main
-
-TIMING_KEYS = ("time_", "tokens_per_s", "eval_seconds")
-
-
-def _deterministic(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(TIMING_KEYS)}
 
 
 def test_run_directory_contents(tiny_run_dir):
@@ -52,44 +43,9 @@ def test_run_directory_contents(tiny_run_dir):
     assert summary["eval_before"]["step"] == -1
 
 
-def test_interrupted_and_resumed_equals_uninterrupted(
-    tiny_run_dir, tmp_path, run_cli, tiny_train_args
+def test_off_policy_run_resumes_exactly(
+    tmp_path, run_cli, tiny_train_args, run_records, assert_same_weights, run_control
 ):
-    """Kill the driver after step 1 commits; resuming must end bit-identical to the full run."""
-    uninterrupted = tiny_run_dir
-    proc = run_cli(tiny_train_args(tmp_path, "run.steps=4"))
-    _kill_after_commit(proc, tmp_path / "full" / "checkpoints" / "step_000001")
-    resumed = run_cli(["train", "--resume", str(tmp_path / "full")])
-    log, _ = resumed.communicate(timeout=900)
-    assert resumed.returncode == 0, log[-4000:]
-
-    a = [
-        _deterministic(json.loads(x))
-        for x in (uninterrupted / "metrics.jsonl").read_text().splitlines()
-    ]
-    b = [
-        _deterministic(json.loads(x))
-        for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert a == b
-    wa = load_file(uninterrupted / "final" / "model.safetensors")
-    wb = load_file(tmp_path / "full" / "final" / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert (wa[k] == wb[k]).all(), k
-
-
-def _kill_after_commit(proc, ckpt) -> None:
-    deadline = time.monotonic() + 900
-    while not ckpt.is_dir():
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-
-
-def test_off_policy_run_resumes_exactly(tmp_path, run_cli, tiny_train_args):
     """run.off_policy_steps=1: each later step trains on rollouts collected while the step before
     it trained. Killed once step 0 commits (its checkpoint holds step 1's rollouts), the resumed
     run ends bit-identical to the uninterrupted one."""
@@ -99,27 +55,24 @@ def test_off_policy_run_resumes_exactly(tmp_path, run_cli, tiny_train_args):
     assert full.returncode == 0, log[-4000:]
     proc = run_cli(tiny_train_args(tmp_path / "b", *extra))
     ckpt = tmp_path / "b" / "full" / "checkpoints" / "step_000000"
-    _kill_after_commit(proc, ckpt)
+    run_control.kill_driver_after_commit(proc, ckpt)
     assert (ckpt / "ahead.pkl").is_file()
     resumed = run_cli(["train", "--resume", str(tmp_path / "b" / "full")])
     log, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, log[-4000:]
 
-    a, b = (
-        [json.loads(x) for x in (tmp_path / d / "full" / "metrics.jsonl").read_text().splitlines()]
-        for d in ("a", "b")
-    )
+    a = [
+        json.loads(x) for x in (tmp_path / "a" / "full" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["rollouts_collected_ahead"] for m in a] == [0, 1, 1]
     for m in a[1:]:
         # collected during the step before: not part of this step's time
         assert m["time_generate"] > 0 and m["time_wait_ahead"] >= 0
-    assert [_deterministic(m) for m in a] == [_deterministic(m) for m in b]
+    runs = [tmp_path / d / "full" for d in ("a", "b")]
+    assert run_records(runs[0], "metrics.jsonl") == run_records(runs[1], "metrics.jsonl")
     last = tmp_path / "a" / "full" / "checkpoints" / "step_000002"
     assert not (last / "ahead.pkl").exists()  # the last step collects nothing ahead
-    wa = load_file(tmp_path / "a" / "full" / "final" / "model.safetensors")
-    wb = load_file(tmp_path / "b" / "full" / "final" / "model.safetensors")
-    for k in wa:
-        assert (wa[k] == wb[k]).all(), k
+    assert_same_weights(*runs)
 
 
 @pytest.mark.parametrize(
@@ -152,3 +105,56 @@ def test_empty_dataset_is_named(tmp_path, capsys, tiny_config):
     ]
     assert cli_main(args) == 2
     assert "empty" in capsys.readouterr().err
+
+
+def test_export_writes_a_step_as_the_model_it_was(tiny_run_dir, tmp_path, run_cli):
+    """`rlvr export RUN OUT` converts the newest step checkpoint (the last step here) into an HF
+    directory whose weights are the run's final model, bit for bit."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "exported"
+    proc = run_cli(["export", str(tiny_run_dir), str(out)])
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    assert f"exported: {out}" in log
+    want = load_file(tiny_run_dir / "final" / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert want.keys() == got.keys()
+    for k in want:
+        assert (want[k] == got[k]).all(), k  # exact: the same state through the same save path
+    AutoModelForCausalLM.from_pretrained(out)
+    AutoTokenizer.from_pretrained(out)
+    again = run_cli(["export", str(tiny_run_dir / "checkpoints" / "step_000003"), str(out)])
+    log, _ = again.communicate(timeout=600)
+    assert again.returncode == 2 and "exists" in log
+    elsewhere = run_cli(["export", str(tmp_path), str(tmp_path / "x")])
+    log, _ = elsewhere.communicate(timeout=600)
+    assert elsewhere.returncode == 2 and "not in a run directory" in log
+
+
+def test_evaluate_any_checkpoint_on_any_data(tiny_run_dir, tmp_path, capsys):
+    """`rlvr evaluate` of a finished run on its held-out split, and of the same model on a
+    published-format (GSM8K-style) file: the summary agrees with the per-item records."""
+    out = tmp_path / "eval"
+    argv = ["evaluate", "--checkpoint", str(tiny_run_dir), "--backend", "hf", "--n", "2"]
+    assert cli_main([*argv, "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    summary = json.loads((out / "evaluation.json").read_text())
+    items = [json.loads(x) for x in (out / "items.jsonl").read_text().splitlines()]
+    assert printed["out"] == str(out) and (out / "evaluation.png").stat().st_size > 0
+    assert summary["problems"] == len(items) == 16  # the fixture's task.n_test
+    assert all(len(i["samples"]) == len(i["correct"]) == 2 for i in items)
+    correct = [c for i in items for c in i["correct"]]
+    assert summary["accuracy"] == pytest.approx(sum(correct) / len(correct), abs=1e-12)
+    assert summary["pass_at_k"]["1"] == pytest.approx(summary["accuracy"], abs=1e-12)
+    either = sum(any(i["correct"]) for i in items) / len(items)
+    assert summary["pass_at_k"]["2"] == pytest.approx(either, abs=1e-12)  # n = k: any correct
+    assert summary["sampling"]["max_tokens"] == 24  # the run's generation.max_tokens
+    gsm8k = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": f"{a} + {a}?", "answer": f"{a} and {a} #### {2 * a}"} for a in (1, 2, 3)]
+    gsm8k.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli_main([*argv, "--data", str(gsm8k), "--out", str(tmp_path / "g")]) == 0
+    items = [json.loads(x) for x in (tmp_path / "g" / "items.jsonl").read_text().splitlines()]
+    assert [i["gold"] for i in items] == ["2", "4", "6"]
+    assert cli_main(["evaluate", "--checkpoint", str(tmp_path / "nothing")]) == 2

@@ -221,6 +221,17 @@ def stage0_run(model_dir) -> tuple[list[dict[str, float]], torch.Tensor, dict[st
     return metrics, trainer.logprobs(make_batch()), trainer.export_weights()
 
 
+def test_one_rank_at_stage_0_skips_the_identity_all_reduce_bit_identically(model_dir, stage0_run):
+    ref_metrics, _, ref_weights = stage0_run
+    trainer = make_trainer(model_dir, zero_stage=0)
+    assert not trainer.engine.enable_backward_allreduce
+    trainer.engine.enable_backward_allreduce = True  # DeepSpeed's flat-buffer all-reduce
+    metrics = train(trainer, 2)
+    weights = trainer.export_weights()
+    assert metrics == ref_metrics
+    assert all(torch.equal(weights[n], ref_weights[n]) for n in ref_weights)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages_agree_and_same_seed_is_bitwise(model_dir, stage0_run, stage):
     ref_metrics, ref_logp, ref_weights = stage0_run

@@ -196,6 +196,17 @@ class AlreadyLabelledError(CSAError):
     """The round is closed: it already has a label (or, in sparse mode, was not selected)."""
 
 
+class AppliedRound(NamedTuple):
+    """A round as the e-processes (or, from an abandoned epoch, only the counters) took it."""
+
+    seq: int
+    score: float
+    released: bool
+    epoch: int
+    passed: bool | None  # None: not selected for verification (sparse mode)
+    expired: bool
+
+
 class Decision(NamedTuple):
     """Outcome of `CSAController.decide`: release iff a threshold is deployed and score <= it."""
 
@@ -267,6 +278,9 @@ class CSAController:
         self._released_fails = 0.0  # importance-weighted in sparse mode
         self._expired = 0
         self._versions: list[dict[str, Any]] = []
+        self.applied_rounds: list[AppliedRound] | None = None
+        """Set to a list to have every applied round appended to it (for an audit trail; the
+        owner drains it). Not part of the state."""
 
     # ----------------------------------------------------------------- rounds
 
@@ -327,6 +341,22 @@ class CSAController:
             self._first_seq = self._next_seq = self._next_apply = int(next_seq)
         self._begin_epoch(epoch, self._next_seq)
         return epoch
+
+    def carry_over(self, previous: CSAController) -> None:
+        """Continue `previous`, a stream whose configuration changed, as this controller's next
+        epoch: seqs run on, its open rounds still take their labels, and its realised-risk
+        counters and version history carry over; its rounds never enter this configuration's
+        e-processes (they were decided under other thresholds)."""
+        if self._next_seq != self._first_seq:
+            raise ValueError("carry_over needs a controller that has issued no rounds")
+        self._first_seq, self._next_seq = previous._first_seq, previous._next_seq
+        self._next_apply = previous._next_apply
+        self._pending = {seq: list(entry) for seq, entry in previous._pending.items()}
+        self._labels = dict(previous._labels)
+        self._applied, self._released = previous._applied, previous._released
+        self._released_fails, self._expired = previous._released_fails, previous._expired
+        self._versions = [dict(v) for v in previous._versions]
+        self._begin_epoch(previous.epoch + 1, self._next_seq)
 
     def switch_versions(
         self,
@@ -537,6 +567,7 @@ class CSAController:
             entry = self._pending.get(seq)
             if entry is None:
                 return
+            expired = False
             if entry[4]:
                 if seq not in self._labels:
                     return
@@ -547,6 +578,10 @@ class CSAController:
             del self._pending[seq]
             self._apply(seq, entry, passed)
             self._next_apply = seq + 1
+            if self.applied_rounds is not None:
+                self.applied_rounds.append(
+                    AppliedRound(seq, entry[0], entry[1], entry[3], passed, expired)
+                )
 
     def _apply(self, seq: int, entry: list, passed: bool | None) -> None:
         _, released, k0, epoch, _ = entry
