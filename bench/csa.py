@@ -259,7 +259,7 @@ def http_latency(backend: str, repeats: int, warmup: int) -> dict:
     from rlvr.serving.config import load_serve_config
     from rlvr.tasks import load_task
     from rlvr.tasks.prompts import prompt_messages
-    from workflows.calibrate import run_calibrate
+    from workflows.calibrate import EngineOptions, run_calibrate
     from workflows.serve import APP_NAME, build_app, prepare_serve, start_serving
     from workflows.train import prepare
 
@@ -273,7 +273,7 @@ def http_latency(backend: str, repeats: int, warmup: int) -> dict:
         out=str(cal_path),
         backend="hf",
         cal_fraction=0.5,
-        max_model_len=256,
+        engine=EngineOptions(max_model_len=256),
         k=5,
         max_tokens=48,
         alphas=(0.3, 0.5),
@@ -298,6 +298,7 @@ def http_latency(backend: str, repeats: int, warmup: int) -> dict:
     )
     prepared = prepare_serve(cfg)
     ray.init(
+        address="local",  # a cluster of its own, never one another process started
         num_cpus=os.cpu_count() or 2,
         namespace="rlvr",
         include_dashboard=False,

@@ -8,7 +8,7 @@ of the same batch on the same engine kind; with --train, GRPO vs Tandem vs KL-to
 
 Training mode: configs/tiny.yaml (GRPO), tiny-tandem.yaml (Tandem) and tiny-kl-junior.yaml (KL to
 the frozen base) trained with the same seeds and steps through the actors, then each final
-checkpoint evaluated by `workflows.evaluate.evaluate_tandem` against the same junior (the shared
+checkpoint evaluated by `workflows.tandem_eval.evaluate_tandem` against the same junior (the shared
 SFT-warmed start) on the held-out problems; handoff turns end at "\\n" (the task's step
 separator). Writes a table (mean ± sd over seeds) as markdown, JSON and a PNG.
 
@@ -194,7 +194,7 @@ def train_compare(args: argparse.Namespace) -> None:
 
     from rlvr.config import load_config
     from workflows.cli import init_ray, ray_env
-    from workflows.evaluate import EvalSettings, evaluate_tandem
+    from workflows.tandem_eval import EvalSettings, evaluate_tandem
     from workflows.train import prepare, train
 
     ray_env()

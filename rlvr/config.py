@@ -92,17 +92,58 @@ class DifficultyConfig(Section):
         return self
 
 
+class FieldMap(Section):
+    """Our field names mapped onto a dataset's column names (task.fields)."""
+
+    id: str | None = Field(None, description="Column of the problem's id (none: derived).")
+    prompt: str | None = Field(
+        None, description="Column of the prompt: text, or a list of chat messages."
+    )
+    answer: str | None = Field(
+        None, description="Column of the gold answer (GSM8K '####' and \\boxed recognised)."
+    )
+    solution: str | None = Field(None, description="Column of a worked solution (SFT warm-up).")
+    reference: str | None = Field(
+        None, description="Column of the reference answer (reference_file); in file: a solution."
+    )
+    tests: str | None = Field(
+        None,
+        description="Column of a code task's tests (assert sources): the answer becomes "
+        '{"asserts": [...]} as JSON text. Instead of answer.',
+    )
+
+    def mapping(self) -> dict[str, str]:
+        """Our name -> the dataset's column, for the names mapped."""
+        return self.model_dump(exclude_none=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> FieldMap:
+        if self.tests is not None and self.answer is not None:
+            raise ValueError("map either answer or tests (a code task's answer), not both")
+        if any(not v for v in self.mapping().values()):
+            raise ValueError("column names must be non-empty")
+        return self
+
+
 class TaskConfig(Section):
-    name: Literal["arithmetic", "explain", "file", "reference_file"] = Field(
+    name: Literal["arithmetic", "code", "explain", "file", "reference_file"] = Field(
         "arithmetic",
-        description="Procedural task ('arithmetic'; 'explain': reference answers, no verifier) or "
+        description="Procedural task ('arithmetic'; 'code': write f(x), assert tests for "
+        "verifier.kind 'code'; 'explain': reference answers, no verifier) or "
         "a user dataset file ('file': id/prompt/answer; 'reference_file': id/prompt/reference).",
     )
     train_path: str | None = Field(
-        None, description="JSONL/parquet training data when name is 'file' or 'reference_file'."
+        None,
+        description="Training data when name is 'file' or 'reference_file': JSONL, parquet or "
+        "arrow, a directory of shards or of datasets.save_to_disk, or a glob pattern.",
     )
     test_path: str | None = Field(
-        None, description="JSONL/parquet held-out data when name is 'file' or 'reference_file'."
+        None, description="Held-out data when name is 'file' or 'reference_file' (as train_path)."
+    )
+    fields: FieldMap = Field(
+        default_factory=FieldMap,
+        description="Our field names mapped onto the dataset's columns ({prompt: question}); "
+        "none mapped: the layout is recognised (ours, GSM8K, MATH, MBPP, HumanEval).",
     )
     difficulty: DifficultyConfig = Field(default_factory=DifficultyConfig)
     n_train: int = Field(2000, gt=0, description="Procedural training problems.")
@@ -125,9 +166,19 @@ class TaskConfig(Section):
     def _check(self) -> TaskConfig:
         if self.name in ("file", "reference_file") and not self.train_path:
             raise ValueError(f"train_path is required when name='{self.name}'")
+        if self.fields.mapping():
+            if self.name not in ("file", "reference_file"):
+                raise ValueError(f"fields apply to dataset files, not name='{self.name}'")
+            if self.name == "reference_file" and self.fields.tests is not None:
+                raise ValueError("fields.tests applies to name='file' (code tasks), not reference")
         if self.instruction.count(PROMPT_SLOT) > 1:
             raise ValueError(f"instruction holds {PROMPT_SLOT} more than once")
         return self
+
+    def cache_key(self) -> dict[str, Any]:
+        """The task's settings for cache keys; an empty field map is left out, so keys made
+        before task.fields existed still match."""
+        return self.model_dump(mode="json", exclude=None if self.fields.mapping() else {"fields"})
 
 
 class GenerationConfig(Section):
@@ -526,9 +577,22 @@ class AlgorithmConfig(Section):
 
 
 class VerifierConfig(Section):
-    kind: Literal["math"] = Field("math", description="Reward function.")
+    kind: Literal["math", "code"] = Field(
+        "math",
+        description="Reward function: 'math' compares the final answer with math-verify; 'code' "
+        "runs the response's last ```python block against the tests in the gold (JSON: "
+        '{"asserts": [...]} or {"io": [{"input", "output"}]}) in a sandbox.',
+    )
     num_workers: int = Field(1, gt=0, description="Verifier worker processes per VerifierActor.")
     timeout_s: float = Field(5.0, gt=0.0, description="Hard per-item verification timeout.")
+    max_uncomputed_share: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Largest share of a step's rewards the verifier may fail to compute (status "
+        "'verifier_failed': their actor died on every re-run); past it the step fails before its "
+        "update. 0 tolerates none, 1 never fails.",
+    )
 
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -703,8 +767,8 @@ class SyncConfig(Section):
             "a bucketed broadcast from policy rank 0 to every engine (gloo on CPU, NCCL on GPU); "
             "colocated (needs resources.colocate): each rank hands its own engine the weights "
             "bucket by bucket (CUDA IPC on a shared GPU, the node's shared memory on CPU); "
-            "auto: colocated when colocated, else the object store for one engine on CPU, "
-            "collective otherwise."
+            "auto: colocated when colocated, else collective (the object store only for "
+            "in-process workers)."
         ),
     )
     bucket_mb: float = Field(
@@ -726,6 +790,14 @@ class RunConfig(Section):
         2,
         gt=0,
         description="Step checkpoints to keep (the best by the method's validation metric is kept too).",
+    )
+    max_failures: int = Field(
+        3,
+        ge=0,
+        description="Lost actors (a generator, verifier, policy rank or controller, or their "
+        "node) the run recovers from by itself: it restarts its actors, restores the last "
+        "committed step and redoes the step in flight, ending as an uninterrupted run would. "
+        "One more stops the run with a committed state to resume.",
     )
     off_policy_steps: Literal[0, 1] = Field(
         0,
@@ -760,6 +832,10 @@ class Config(Section):
             raise ValueError(
                 "generation.temperature must be > 0: rollouts are sampled, and the trainer's "
                 "log-probs are those of softmax(logits / temperature)"
+            )
+        if self.task.name == "code" and self.verifier.kind != "code":
+            raise ValueError(
+                "verifier.kind: task 'code' has assert tests for golds; set verifier.kind: code"
             )
         warmup, total = self.lr_schedule_steps()
         if self.training.lr_schedule != "constant" and total <= warmup:
@@ -1069,13 +1145,33 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         raise ConfigError(format_validation_error(err)) from None
 
 
+def presets() -> dict[str, Path]:
+    """The presets shipped with the package, by name (`tiny` -> .../configs/tiny.yaml)."""
+    from importlib.resources import files
+
+    root = Path(str(files("configs")))
+    return {p.stem: p for p in sorted(root.glob("*.yaml"))}
+
+
+def resolve_config_path(path: str | Path, kind: str = "config") -> Path:
+    """`path` when that file exists, else the shipped preset of that name (`tiny`, `tiny.yaml`,
+    `configs/tiny.yaml`: the same preset from any directory); ConfigError naming the presets."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    shipped = presets()
+    name = path.stem if path.suffix in (".yaml", ".yml") else path.name
+    if path.parent in (Path("."), Path("configs")) and name in shipped:
+        return shipped[name]
+    raise ConfigError(f"{kind} file not found: {path} (shipped presets: {', '.join(shipped)})")
+
+
 def read_yaml_sections(path: str | Path | None, kind: str = "config") -> dict[str, Any]:
-    """The mapping of sections in a YAML file ({} for no file), or a ConfigError saying why not."""
+    """The mapping of sections in a YAML file or shipped preset ({} for none), or a ConfigError
+    saying why not."""
     if path is None:
         return {}
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{kind} file not found: {path}")
+    path = resolve_config_path(path, kind)
     loaded = yaml.safe_load(path.read_text())
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")

@@ -158,11 +158,14 @@ def test_actor_output_reaches_the_engine_log_not_the_console(tmp_path):
     assert "actor says hello" in text and "actor warns" in text
 
 
-@pytest.mark.parametrize(("backend", "expected"), [("vllm", {"kv_cache_gib": 0.5}), ("hf", None)])
-def test_calibrate_sizes_the_vllm_kv_cache(backend, expected, monkeypatch):
+CALIBRATE = ["calibrate", "--checkpoint", "tiny", "--data", str(ROOT / "configs" / "tiny.yaml")]
+
+
+def test_calibrate_sizes_its_engine_as_told(monkeypatch):
     """Left to size itself, vLLM on CPU claims 90% of the memory and refuses to start when other
-    processes hold more than a tenth of it."""
+    processes hold more than a tenth of it; calibrate always fixes the KV cache."""
     import workflows.calibrate
+    from workflows.calibrate import EngineOptions
 
     seen = {}
 
@@ -171,8 +174,64 @@ def test_calibrate_sizes_the_vllm_kv_cache(backend, expected, monkeypatch):
         raise SystemExit(0)
 
     monkeypatch.setattr(workflows.calibrate, "run_calibrate", fake_run_calibrate)
-    argv = ["calibrate", "--checkpoint", "tiny", "--data", "configs/tiny.yaml"]
     with pytest.raises(SystemExit):
-        cli.main([*argv, "--backend", backend, "--kv-cache-gib", "0.5"])
-    assert seen["backend_kwargs"] == expected
-    assert cli.main([*argv, "--kv-cache-gib", "0"]) == 2
+        cli.main(CALIBRATE)
+    assert seen["engine"] == EngineOptions("float32", 1024, 1.0, enforce_eager=False, threads=None)
+    sized = ["--dtype", "bfloat16", "--max-model-len", "128", "--kv-cache-gib", "0.5"]
+    with pytest.raises(SystemExit):
+        cli.main([*CALIBRATE, *sized, "--enforce-eager", "--threads", "1"])
+    assert seen["engine"] == EngineOptions("bfloat16", 128, 0.5, enforce_eager=True, threads=1)
+
+
+def test_engine_options_are_the_backends_keywords():
+    from workflows.calibrate import EngineOptions
+
+    options = EngineOptions("bfloat16", 128, 0.5, enforce_eager=True, threads=2)
+    assert options.backend_kwargs("vllm") == {
+        "dtype": "bfloat16",
+        "max_model_len": 128,
+        "kv_cache_gib": 0.5,
+        "enforce_eager": True,
+        "cpu_threads": 2,
+    }
+    assert options.backend_kwargs("hf") == {"dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (["--kv-cache-gib", "0"], "--kv-cache-gib must be a number > 0, got 0.0"),
+        (["--kv-cache-gib", "nan"], "--kv-cache-gib must be a number > 0, got nan"),
+        (["--kv-cache-gib", "1e6"], "--kv-cache-gib 1e+06 exceeds the"),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+        (["--max-model-len", "200"], "--max-tokens must be < --max-model-len"),
+        (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    ],
+)
+def test_calibrate_names_a_bad_engine_option_before_loading_anything(
+    bad, message, monkeypatch, capsys
+):
+    import workflows.calibrate
+
+    def never(*args, **kwargs):
+        raise AssertionError("a model was resolved despite a bad option")
+
+    monkeypatch.setattr(workflows.calibrate, "resolve_model_path", never)
+    monkeypatch.setattr(workflows.calibrate, "_on_gpu", lambda: False)
+    try:
+        assert cli.main([*CALIBRATE, *bad]) == 2
+    except SystemExit as err:  # argparse's own refusal
+        assert err.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_kv_cache_larger_than_free_memory_is_vllm_on_cpu_only(monkeypatch):
+    """The hf backend has no KV cache to size, and a GPU holds vLLM's."""
+    import workflows.calibrate
+    from workflows.calibrate import EngineOptions
+
+    huge = EngineOptions(kv_cache_gib=1e6)
+    huge.check("hf")
+    monkeypatch.setattr(workflows.calibrate, "_on_gpu", lambda: True)
+    huge.check("vllm")

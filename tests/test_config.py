@@ -18,6 +18,14 @@ def test_defaults_validate():
     cfg = load_config()
     assert cfg.generation.group_size == 8
     assert cfg.training.zero_stage == 2
+    assert cfg.verifier.max_uncomputed_share == 0.1
+
+
+@pytest.mark.parametrize("share", ["0", "1", "0.25"])
+def test_uncomputed_share_bounds_are_valid(share):
+    assert load_config(
+        None, [f"verifier.max_uncomputed_share={share}"]
+    ).verifier.max_uncomputed_share == float(share)
 
 
 @pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
@@ -53,6 +61,10 @@ def test_yaml_and_overrides(tmp_path):
         (["task.difficulty.operators=+/"], "task.difficulty"),
         (['generation.stop=[""]'], "generation"),
         (['task.instruction="{prompt} then {prompt}"'], "task"),
+        (["verifier.max_uncomputed_share=1.5"], "verifier.max_uncomputed_share"),
+        (["verifier.max_uncomputed_share=-0.1"], "verifier.max_uncomputed_share"),
+        (["verifier.max_uncomputed_share=nan"], "verifier.max_uncomputed_share"),
+        (["verifier.max_uncomputed_share=half"], "verifier.max_uncomputed_share"),
     ],
 )
 def test_bad_values_name_the_key(overrides, key):
@@ -304,3 +316,65 @@ def test_sampling_params_carry_the_stop_strings_to_every_pass():
     assert rollout.stop == ("\nQuestion:",) and rollout.max_tokens == g.max_tokens
     greedy = g.sampling_params(None, temperature=0.0, top_p=1.0)
     assert (greedy.temperature, greedy.stop) == (0.0, ("\nQuestion:",))
+
+
+def test_task_fields_map_our_names_and_unknown_ones_fail_naming_the_key(tmp_path):
+    file_sets = ["task.name=file", "task.train_path=data.jsonl"]
+    cfg = load_config(None, [*file_sets, "task.fields.prompt=question", "task.fields.id=key"])
+    assert cfg.task.fields.mapping() == {"prompt": "question", "id": "key"}
+    assert "fields" in cfg.task.cache_key()
+    assert "fields" not in load_config().task.cache_key()  # cache keys made before fields match
+    with pytest.raises(ConfigError, match=r"task\.fields\.question: unknown key"):
+        load_config(None, [*file_sets, "task.fields.question=prompt"])
+    f = tmp_path / "c.yaml"
+    f.write_text("task:\n  name: file\n  train_path: d.jsonl\n  fields:\n    question: q\n")
+    with pytest.raises(ConfigError, match=r"task\.fields\.question: unknown key"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"task\.fields: map either answer or tests"):
+        load_config(None, [*file_sets, "task.fields.tests=t", "task.fields.answer=a"])
+    with pytest.raises(ConfigError, match=r"task: fields apply to dataset files"):
+        load_config(None, ["task.fields.prompt=question"])
+
+
+def _gsm8k_file(path, n=10):
+    """GSM8K's published rows: question, and answer ending in '#### <gold>'; no id."""
+    rows = [
+        {
+            "question": f"Ann has {i} pens and buys 2. How many?",
+            "answer": f"She has {i} + 2 = <<{i}+2={i + 2}>>{i + 2} pens.\n#### {i + 2}",
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_gsm8k_file_passes_the_training_config_path_without_ray(tmp_path, monkeypatch):
+    import ray
+
+    from workflows.train import prepare
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("the config path started Ray")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+
+    f = _gsm8k_file(tmp_path / "gsm8k.jsonl")
+    sets = ["task.name=file", f"task.train_path={f}", "generation.backend=hf"]
+    _, train, test = prepare(load_config(None, sets))
+    assert (len(train), len(test)) == (8, 2)  # the last fifth held out
+    assert train[0].prompt == "Ann has 0 pens and buys 2. How many?" and train[0].answer == "2"
+    assert train[0].solution == "She has 0 + 2 = 2 pens.\nThe answer is \\boxed{2}."
+    assert all(len(p.id) == 12 for p in train + test)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "1 + 1?"}], "answer": "2"}))
+    with pytest.raises(
+        ConfigError,
+        match=r"invalid config: task: .*chat\.jsonl: row 1: field 'prompt' is a list of chat "
+        r"messages, which task\.chat_template=false cannot render",
+    ):
+        prepare(
+            load_config(
+                None, ["task.name=file", f"task.train_path={chat}", "task.chat_template=false"]
+            )
+        )

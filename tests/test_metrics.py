@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlvr.run.metrics import group_stats, rollout_stats
+from rlvr.run.metrics import UncomputedRewards, group_stats, rollout_stats, uncomputed_stats
 
 
 def test_rollout_stats_by_hand():
@@ -28,3 +28,23 @@ def test_group_stats():
     assert s["groups"] == 3
     assert s["zero_signal_group_frac"] == pytest.approx(2 / 3)
     assert s["solved_group_frac"] == pytest.approx(1 / 3)
+
+
+def test_uncomputed_rewards_are_counted_and_capped():
+    statuses = ["correct", "verifier_failed", "timeout", "error", "wrong"]
+    # a per-item timeout and an "error" are the verifier's verdicts; only its failure is uncomputed
+    assert uncomputed_stats(statuses, 0.2, "step 3") == {
+        "reward_uncomputed": 1,
+        "reward_uncomputed_frac": 0.2,
+    }
+    assert uncomputed_stats([], 0.0, "step 3") == {
+        "reward_uncomputed": 0,
+        "reward_uncomputed_frac": 0.0,
+    }
+    with pytest.raises(
+        UncomputedRewards, match=r"^step 3: .* 1 of 5 rewards \(share 0\.2 > .*=0\.1\)"
+    ):
+        uncomputed_stats(statuses, 0.1, "step 3")
+    with pytest.raises(UncomputedRewards, match=r"max_uncomputed_share=0\)"):
+        uncomputed_stats(statuses, 0.0, "step 3")
+    assert uncomputed_stats(["verifier_failed"], 1.0, "step 3")["reward_uncomputed_frac"] == 1.0

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from rlvr.config import apply_overrides, load_config
-from rlvr.serving.config import load_serve_config
+from rlvr.config import Config, apply_overrides, load_config
+from rlvr.serving.config import ServeConfig, load_serve_config
 from workflows.cli import DEMO_CONFIG, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,10 +165,14 @@ def test_readme_names_existing_files():
 
 
 def test_readme_override_examples_name_real_keys():
-    """Inline `a.b=c` examples (e.g. `algorithm.duet.allocate=false`) name existing keys."""
+    """Inline `a.b=c` examples (e.g. `algorithm.duet.allocate=false`) name existing keys: of the
+    training config, or of the serve config for its own sections (e.g. `http.`)."""
     examples = re.findall(r"`([a-z_]+(?:\.[a-z_0-9]+)+=[^`\s]+)`", README)
     assert examples
-    apply_overrides({}, examples)
+    serve_only = set(ServeConfig.model_fields) - set(Config.model_fields)
+    serve = [e for e in examples if e.split(".")[0] in serve_only]
+    apply_overrides({}, [e for e in examples if e not in serve])
+    load_serve_config(None, serve)
 
 
 def test_readme_serves_what_it_calibrates(monkeypatch):

@@ -19,7 +19,8 @@ from typing import Any
 
 from rlvr.config import Config, ConfigError, load_config
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "smollm2-arith.yaml"
+DEMO_CONFIG = "smollm2-arith"
+"""The shipped preset `rlvr demo` trains (`rlvr.config.presets`)."""
 ENGINE_LOG = "engine.log"
 """File in the run directory that receives every actor's stdout and stderr."""
 ENGINE_LOG_ENV = "RLVR_ENGINE_LOG"
@@ -95,6 +96,7 @@ def init_ray(cfg: Config, engine_log: Path | None = None) -> None:
 
         cfg.check_cluster([{"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}])
         ray.init(
+            address="local",  # a cluster of its own, never one another process started
             num_cpus=cpus,
             namespace=NAMESPACE,
             include_dashboard=False,
@@ -217,15 +219,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from workflows.calibrate import run_calibrate
+    from workflows.calibrate import EngineOptions, run_calibrate
 
     for name in ("k", "max_tokens", "m"):
         if getattr(args, name) < 1:
             raise ConfigError(f"invalid calibration input: --{name.replace('_', '-')} must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.kv_cache_gib <= 0:
-        raise ConfigError(
-            "invalid calibration input: need --temperature >= 0, 0 < --top-p <= 1, --kv-cache-gib > 0"
-        )
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError("invalid calibration input: need --temperature >= 0, 0 < --top-p <= 1")
+    engine = EngineOptions(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        enforce_eager=args.enforce_eager,
+        threads=args.threads,
+    )
     path, cal = run_calibrate(
         args.checkpoint,
         args.data,
@@ -235,8 +242,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cal_fraction=args.cal_fraction,
         seed=args.seed,
         alphas=args.alpha,
-        max_model_len=args.max_model_len,
-        backend_kwargs={"kv_cache_gib": args.kv_cache_gib} if args.backend == "vllm" else None,
+        engine=engine,
         k=args.k,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -256,15 +262,38 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """`rlvr evaluate`: Tandem's held-out metrics of a checkpoint against a junior, in this process."""
+    """`rlvr evaluate`: accuracy, pass@k and lengths of a checkpoint on a dataset, in this
+    process."""
     from workflows.evaluate import run_evaluate
+
+    sampling = {"n": args.n, "temperature": args.temperature, "top_p": args.top_p}
+    sampling |= {"seed": args.seed} | (
+        {"max_tokens": args.max_tokens} if args.max_tokens is not None else {}
+    )
+    out, summary = run_evaluate(
+        args.checkpoint,
+        data=args.data,
+        config=args.config,
+        out=args.out,
+        backend=args.backend,
+        **sampling,
+    )
+    keys = ("problems", "accuracy", "pass_at_k", "mean_length", "truncated_frac")
+    print(json.dumps({"out": str(out)} | {k: summary[k] for k in keys}, indent=2))
+    return 0
+
+
+def cmd_tandem_eval(args: argparse.Namespace) -> int:
+    """`rlvr tandem-eval`: Tandem's held-out metrics of a checkpoint against a junior, in this
+    process."""
+    from workflows.tandem_eval import run_tandem_eval
 
     if args.n < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise ConfigError(
             "invalid evaluation input: need --n >= 1, --temperature >= 0, 0 < --top-p <= 1"
         )
     optional = {"max_tokens": args.max_tokens, "seed": args.seed}
-    out, report = run_evaluate(
+    out, report = run_tandem_eval(
         args.checkpoint,
         junior=args.junior,
         config=args.config,
@@ -288,6 +317,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         "KL(senior || junior)": report["drift"]["kl_to_junior"],
     }
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """`rlvr export`: a step checkpoint (or a run's newest) as a loadable HF directory."""
+    from workflows.checkpoints import export_checkpoint
+
+    print(f"exported: {export_checkpoint(args.checkpoint, args.out)}")
     return 0
 
 
@@ -355,13 +392,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=float, default=0.7)
     c.add_argument("--top-p", type=float, default=1.0)
     c.add_argument("--max-tokens", type=int, default=256)
-    c.add_argument("--max-model-len", type=int, default=1024)
+    c.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights dtype of the engine (as model.dtype in training and serving)",
+    )
+    c.add_argument(
+        "--max-model-len", type=int, default=1024, help="prompt + response context of the engine"
+    )
     c.add_argument(
         "--kv-cache-gib",
         type=float,
         default=1.0,
-        help="vLLM's KV cache size (without it vLLM on CPU claims 90%% of the memory)",
+        help="vLLM's KV cache size, fixed: vLLM then starts however little memory is free (left "
+        "to size itself on CPU, it claims 90%% of the memory and refuses to start without it)",
     )
+    c.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="skip vLLM's torch.compile: starts faster, decodes slower",
+    )
+    c.add_argument("--threads", type=int, help="CPU threads of the engine (default: every core)")
     c.add_argument("--cal-fraction", type=float, default=0.2, help="CAL share of the data")
     c.add_argument("--seed", type=int, default=42, help="CAL split and sampling seed")
     c.add_argument("--m", type=int, default=15, help="grid size")
@@ -375,8 +427,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(fn=cmd_calibrate)
 
+    ge = sub.add_parser(
+        "evaluate", help="accuracy, pass@k and lengths of a checkpoint on a dataset (JSON + PNG)"
+    )
+    ge.add_argument(
+        "--checkpoint",
+        required=True,
+        help="run directory, its final/ or a step checkpoint, an HF directory or a PEFT adapter",
+    )
+    ge.add_argument(
+        "--data",
+        help="a preset (its held-out split) or a dataset file (default: the run's held-out split)",
+    )
+    ge.add_argument("--config", help="run config (default: the run directory's config.yaml)")
+    ge.add_argument("--n", type=int, default=4, help="samples per problem")
+    ge.add_argument("--temperature", type=float, default=1.0)
+    ge.add_argument("--top-p", type=float, default=1.0)
+    ge.add_argument("--max-tokens", type=int, help="default: the config's generation.max_tokens")
+    ge.add_argument("--seed", type=int, default=0, help="base sampling seed")
+    ge.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    ge.add_argument("--out", help="output folder (default: <run>/eval-<checkpoint>)")
+    ge.set_defaults(fn=cmd_evaluate)
+
     ev = sub.add_parser(
-        "evaluate", help="Tandem metrics of a checkpoint against a junior (JSON + plots)"
+        "tandem-eval", help="Tandem metrics of a checkpoint against a junior (JSON + plots)"
     )
     ev.add_argument(
         "--checkpoint",
@@ -398,7 +472,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="handoff turns end at this string (escapes allowed; the tiny task's steps end in \\n)",
     )
     ev.add_argument("--seed", type=int, help="base sampling seed (default 0)")
-    ev.set_defaults(fn=cmd_evaluate)
+    ev.set_defaults(fn=cmd_tandem_eval)
+
+    ex = sub.add_parser("export", help="write a step checkpoint as a Hugging Face model directory")
+    ex.add_argument(
+        "checkpoint", help="a step checkpoint (runs/NAME/checkpoints/step_N) or a run directory"
+    )
+    ex.add_argument(
+        "out", help="new directory: merged weights and tokenizer (+ adapter/ with LoRA)"
+    )
+    ex.set_defaults(fn=cmd_export)
 
     for name, text, out in (
         (
@@ -426,11 +509,16 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     args = build_parser().parse_args(argv)
+    from workflows.workers import ActorFailure
+
     try:
         return args.fn(args)
     except ConfigError as err:
         print(f"rlvr: {err}", file=sys.stderr)
         return 2
+    except ActorFailure as err:  # the actors' own tracebacks are in the run's engine log
+        print(f"rlvr: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ def _fingerprint(model_dir: Path, problems: list[Problem], params: dict[str, Any
                 h.update(chunk)
     for p in problems:
         h.update(f"{p.id}\0{p.prompt}\0{p.solution}\0".encode())
+        if p.messages:
+            h.update(json.dumps(p.messages).encode() + b"\0")
     h.update(json.dumps(params, sort_keys=True).encode())
     return h.hexdigest()[:20]
 

@@ -1,15 +1,34 @@
-"""Per-step rollout statistics: reward, accuracy, response lengths and truncation.
+"""Per-step rollout statistics: reward, accuracy, response lengths, truncation, and the rewards the
+verifier could not compute; unbiased pass@k.
 
 Pure functions over plain lists so the driver, the bench and the tests compute them identically.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from rlvr.algorithms.groups import group_rows
+from rlvr.verifiers import VERIFIER_FAILED
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem with c correct of n samples: 1 - C(n-c, k) / C(n, k).
+
+    Exact integer combinatorics (Chen et al. 2021); 1 when fewer than k samples are wrong.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+class UncomputedRewards(RuntimeError):
+    """Too many of a step's rewards could not be computed to train (or pick a checkpoint) on."""
 
 
 def rollout_stats(
@@ -55,3 +74,19 @@ def group_stats(rewards: Sequence[float], group_ids: Sequence[str]) -> dict[str,
         "zero_signal_group_frac": float(np.mean(degenerate)),
         "solved_group_frac": float(np.mean(solved)),
     }
+
+
+def uncomputed_stats(statuses: Sequence[str], max_share: float, where: str) -> dict[str, float]:
+    """How many of the rollouts' rewards the verifier could not compute (VERIFIER_FAILED: each a
+    0.0 that says nothing about its answer) and their share; past `max_share`
+    (`verifier.max_uncomputed_share`) the rewards are damaged, and this fails loudly, naming
+    `where` and the share."""
+    count = sum(s == VERIFIER_FAILED for s in statuses)
+    share = count / len(statuses) if statuses else 0.0
+    if share > max_share:
+        raise UncomputedRewards(
+            f"{where}: the verifier could not compute {count} of {len(statuses)} rewards "
+            f"(share {share:.3g} > verifier.max_uncomputed_share={max_share:g}); "
+            "the step is not committed"
+        )
+    return {"reward_uncomputed": count, "reward_uncomputed_frac": share}

@@ -1,4 +1,5 @@
-"""Task types: a verifiable problem with a stable id, a prompt, a gold answer and a reference."""
+"""Task types: a verifiable problem with a stable id, a prompt (text or chat turns), a gold answer
+and a reference."""
 
 from __future__ import annotations
 
@@ -18,3 +19,7 @@ class Problem:
     reference: str = ""
     """Reference final answer for reference-based rewards (DRO): the text teacher-forced after a
     rollout's CoT. Empty: the tail of `solution` after the configured CoT/answer delimiter."""
+    messages: tuple[tuple[str, str], ...] = ()
+    """A prompt given as chat turns, (role, content) pairs ending in the user's turn, whose text
+    is then `prompt`; rendered through the chat template with the instruction in that last turn.
+    Empty: `prompt` is the single user turn."""

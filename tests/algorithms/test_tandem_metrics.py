@@ -21,7 +21,6 @@ from rlvr.algorithms.tandem.metrics import (
     macro_mean,
     marginal_drift,
     over_emitted,
-    pass_at_k,
     pass_at_k_table,
     pushback,
     smoothed_distribution,
@@ -29,6 +28,7 @@ from rlvr.algorithms.tandem.metrics import (
     token_counts,
     token_turn_writer,
 )
+from rlvr.run.metrics import pass_at_k
 
 # pass@k and aggregation
 

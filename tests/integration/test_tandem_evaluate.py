@@ -1,4 +1,4 @@
-"""`rlvr evaluate` on a briefly SFT-warmed tiny model (transformers backend, small n): the JSON's
+"""`rlvr tandem-eval` on a briefly SFT-warmed tiny model (transformers backend, small n): the JSON's
 structure and its invariants; the junior evaluated against itself has no drift and full overlap."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def evaluated(tmp_path_factory, tiny_config):
     config = tmp / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     out = tmp / "out"
-    argv = ["evaluate", "--checkpoint", str(model), "--config", str(config), "--backend", "hf"]
+    argv = ["tandem-eval", "--checkpoint", str(model), "--config", str(config), "--backend", "hf"]
     argv += ["--n", "4", "--k", *map(str, KS), "--out", str(out), "--step-boundary", "\\n"]
     assert main(argv) == 0
     return out

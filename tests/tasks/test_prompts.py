@@ -69,3 +69,29 @@ def test_chat_rendering_without_a_template_names_the_flag(tokenizer):
     assert render_prompt(bare, PROBLEM, chat_template=False) == render_prompt(
         tokenizer, PROBLEM, chat_template=False
     )
+
+
+CHAT = Problem(
+    id="c",
+    prompt="Compute 2 + 3.",
+    answer="5",
+    messages=(("system", "Be brief."), ("user", "Compute 2 + 3.")),
+)
+
+
+def test_chat_messages_render_as_turns_with_the_instruction_in_the_last(tokenizer):
+    assert prompt_messages(CHAT, "Box it.") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Compute 2 + 3. Box it."},
+    ]
+    assert prompt_messages(CHAT, "Q: {prompt}\nA:")[-1]["content"] == "Q: Compute 2 + 3.\nA:"
+    ids = render_prompt(tokenizer, CHAT, "Box it.")
+    assert ids == tokenizer.apply_chat_template(
+        prompt_messages(CHAT, "Box it."),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert tokenizer.decode(ids).startswith("<|system|>\nBe brief.")
+    with pytest.raises(ValueError, match=r"problem 'c': its prompt is a list of chat messages"):
+        render_prompt(tokenizer, CHAT, chat_template=False)

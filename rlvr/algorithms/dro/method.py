@@ -53,7 +53,7 @@ def rubric_cache_path(cfg: Config, model_dir: Path) -> Path:
         return Path(os.path.expanduser(d.rubrics_path))
     key = json.dumps(
         {
-            "task": cfg.task.model_dump(mode="json"),
+            "task": cfg.task.cache_key(),
             "model": str(Path(model_dir).resolve()),
             "judge": d.judge,
             "delimiter": d.delimiter,
@@ -71,7 +71,7 @@ def rubric_cache_path(cfg: Config, model_dir: Path) -> Path:
 def query_text(problem: Problem, instruction: str) -> str:
     """The query with its task description, as the policy sees it (the judge's input)."""
 
-    return prompt_messages(problem, instruction)[0]["content"]
+    return prompt_messages(problem, instruction)[-1]["content"]
 
 
 def ensure_rubrics(

@@ -9,7 +9,6 @@ Pure functions over token ids, tensors and generic model callables; engines plug
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,18 +18,7 @@ from scipy.stats import spearmanr
 
 from rlvr.algorithms.counter_rng import uniform
 from rlvr.algorithms.tandem import JUNIOR, SENIOR, NextTokenLogits, sample_token
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one problem with c correct of n samples: 1 - C(n-c, k) / C(n, k).
-
-    Exact integer combinatorics (Chen et al. 2021); 1 when fewer than k samples are wrong.
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+from rlvr.run.metrics import pass_at_k
 
 
 @dataclass
