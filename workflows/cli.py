@@ -1,5 +1,5 @@
-"""The `rlvr` command: train, resume, demo, plot, serve, calibrate, evaluate (Tandem), and DRO's
-filter and rubrics.
+"""The `rlvr` command: train, resume, demo, plot, serve, calibrate, evaluate, tandem-eval, export,
+and DRO's filter and rubrics.
 
 `rlvr train` starts a local Ray cluster bound to 127.0.0.1, or joins the cluster named by
 RAY_ADDRESS (as `ray job submit` sets it). Configuration errors exit with status 2 before any
@@ -339,7 +339,7 @@ def cmd_dro_offline(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlvr", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="rlvr", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a policy (or resume a run)")

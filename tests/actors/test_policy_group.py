@@ -94,9 +94,14 @@ def test_two_ranks_take_the_one_rank_update(
     # fp32 sums over two ranks and one differ in order only: ~1e-7 relative on the first update.
     # The second starts from weights one Adam step apart by that rounding, and Adam's m/sqrt(v)
     # turns a near-zero gradient's rounding into a visible step, so its figures agree to ~1e-5.
+    # approx_kl and kl are the exception: on the second update they measure the first update's
+    # step itself, whose noise-gradient elements differ by up to ~1% of lr (see the weights
+    # below); approx_kl agreed to 1.0e-4 relative on one machine, so both get 1e-3.
+    tolerance = {"approx_kl": 1e-3, "kl": 1e-3}
     for u1, u2 in zip(one["updates"], two["updates"], strict=True):
         for key in ("loss", "pg_loss", "kl", "clip_frac", "approx_kl", "grad_norm", "entropy"):
-            assert u2[key] == pytest.approx(u1[key], rel=1e-4, abs=1e-7), key
+            rel = tolerance.get(key, 1e-4)
+            assert u2[key] == pytest.approx(u1[key], rel=rel, abs=1e-7), key
     assert two["logprob_sums"] == pytest.approx(one["logprob_sums"], rel=1e-5)
     assert w1.keys() == w2.keys()
     # An Adam step moves a parameter by up to ~lr whatever its gradient's size, so an element
