@@ -11,7 +11,7 @@ import pytest
 from rlvr.config import ConfigError, RunConfig, load_config
 from rlvr.run import loggers
 from rlvr.run.loggers import check_loggers, open_loggers, scalars, wandb_mode
-from workflows.train import prepare
+from workflows.train import prepare_training
 
 CONFIG = {"run": {"name": "synthetic", "seed": 3}, "training": {"lr": 1e-5, "stop": []}}
 
@@ -118,6 +118,6 @@ def test_a_missing_package_is_named_before_any_actor(monkeypatch):
     check_loggers(["tensorboard", "wandb", "mlflow"])
     monkeypatch.setattr(loggers, "find_spec", lambda name: None if name == "mlflow" else name)
     cfg = load_config(None, ["run.loggers=[wandb,mlflow]"])
-    # prepare() is what `rlvr train` runs before Ray starts; the logger check comes first
+    # what `rlvr train` and `rlvr demo` run before Ray starts; the logger check comes first
     with pytest.raises(ConfigError, match=r"run\.loggers: mlflow .*pip install mlflow-skinny"):
-        prepare(cfg)
+        prepare_training(cfg)

@@ -278,7 +278,6 @@ def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
 
 def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
     """Everything that can fail on bad input, done before any actor starts."""
-    check_loggers(cfg.run.loggers)
     try:
         model_dir = resolve_model_path(cfg.model.path, seed=cfg.model.seed)
     except FileNotFoundError as err:
@@ -320,6 +319,13 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
     return model_dir, train_problems, test_problems
 
 
+def prepare_training(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
+    """`prepare`, after the check only training needs: the packages of `run.loggers` (evaluating
+    or exporting a run's checkpoint needs none of them)."""
+    check_loggers(cfg.run.loggers)
+    return prepare(cfg)
+
+
 def train(
     cfg: Config,
     run_path: Path,
@@ -334,10 +340,10 @@ def train(
     and resumes after the last committed step, exactly as `rlvr train --resume` would, so the
     run ends bit-identical to an uninterrupted one. Each recovery is printed and appended to the
     run directory's recoveries.jsonl. An error raised inside a call (a bug, bad input) is not
-    retried: it would only repeat. `prepared` is `prepare(cfg)`'s result when the caller
+    retried: it would only repeat. `prepared` is `prepare_training(cfg)`'s result when the caller
     validated the inputs before Ray started.
     """
-    prepared = prepared or prepare(cfg)
+    prepared = prepared or prepare_training(cfg)
     failures = 0
     while True:
         try:
