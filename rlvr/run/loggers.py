@@ -36,7 +36,7 @@ class Logger(Protocol):
 
     def log_config(self, config: dict[str, Any]) -> None: ...
 
-    def log(self, scalars: dict[str, float], step: int) -> None: ...
+    def log(self, values: dict[str, float], step: int) -> None: ...
 
     def close(self, failed: bool) -> None: ...
 
@@ -88,8 +88,8 @@ class TensorBoardLogger:
         text = json.dumps(config, indent=1).replace("\n", "\n    ")
         self.writer.add_text("config", "    " + text)
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        for k, v in scalars.items():
+    def log(self, values: dict[str, float], step: int) -> None:
+        for k, v in values.items():
             self.writer.add_scalar(k, v, step)
 
     def close(self, failed: bool) -> None:
@@ -132,8 +132,8 @@ class WandbLogger:
     def log_config(self, config: dict[str, Any]) -> None:
         self.run.config.update(config, allow_val_change=True)
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        self.run.log({**scalars, "step": step})
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log({**values, "step": step})
 
     def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -165,11 +165,11 @@ class MLflowLogger:
         for i in range(0, len(params), MLFLOW_PARAMS_PER_BATCH):
             self.client.log_batch(self.id, params=params[i : i + MLFLOW_PARAMS_PER_BATCH])
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
+    def log(self, values: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in scalars.items()]
+        metrics = [Metric(k, v, now, step) for k, v in values.items()]
         self.client.log_batch(self.id, metrics=metrics)
 
     def close(self, failed: bool) -> None:
