@@ -169,6 +169,7 @@ class LoggerStores:
         """(run, every metric's history) of each MLflow run of `experiment` in mlruns/."""
         from mlflow.tracking import MlflowClient
 
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # as rlvr.run.loggers opens the store
         client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
         exp = client.get_experiment_by_name(experiment)
         found = []
