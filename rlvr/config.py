@@ -808,6 +808,27 @@ class RunConfig(Section):
             "come from the weights it trains."
         ),
     )
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description=(
+            "Where each step's numeric metrics go as well: tensorboard (tb/), wandb (wandb/, "
+            "offline unless WANDB_MODE is set or an API key is configured; `wandb sync` uploads "
+            "it), mlflow (a file store in mlruns/, or run.mlflow_uri). metrics.jsonl and "
+            "eval.jsonl are always written (the run's record, which resume truncates) and need "
+            "no entry. wandb and mlflow need `pip install 'rlvr[loggers]'`."
+        ),
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (a server or database) instead of the run's mlruns/.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        repeated = sorted({n for n in self.loggers if self.loggers.count(n) > 1})
+        if repeated:
+            raise ValueError(f"run.loggers: lists {', '.join(repeated)} more than once")
+        return self
 
 
 class Config(Section):

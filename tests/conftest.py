@@ -1,13 +1,15 @@
 """Shared fixtures: one Ray cluster per test session, bound to 127.0.0.1, an isolated model cache,
-the tiny model, and the TCP addresses a process listens on."""
+the tiny model, the TCP addresses a process listens on, and readers of the logger stores."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
 import socket
+import struct
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +18,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["WANDB_MODE"] = "offline"  # a test run never reaches W&B's servers, keys or not
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -102,3 +105,84 @@ def listening() -> Callable[[int], list[tuple[str, int]]]:
 def loopback() -> Callable[[str], bool]:
     """`loopback(address)`: whether a listening address is reachable from this node only."""
     return is_loopback
+
+
+Series = dict[str, dict[int, float]]
+"""Metric name -> {step: value}, as a logger store holds them (the last value of a step)."""
+
+
+class LoggerStores:
+    """Read back, from disk alone, what `run.loggers` wrote into a run directory."""
+
+    @staticmethod
+    def tensorboard(run_dir: Path) -> Series:
+        """Every scalar in tb/, after TensorBoard's own purge of steps a resumed run redid."""
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        acc = EventAccumulator(str(run_dir / "tb"))
+        acc.Reload()
+        return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
+
+    @staticmethod
+    def wandb_records(path: Path) -> list:
+        """The records of a .wandb file: W&B's LevelDB-log framing (a 7-byte file header, 32 KiB
+        blocks of chunks with a 7-byte header: CRC, length, type full/first/middle/last) around
+        `wandb_internal_pb2.Record` messages."""
+        from wandb.proto import wandb_internal_pb2
+
+        data, pos, block, records, parts = path.read_bytes(), 7, 32768, [], b""
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a header is padding
+                pos += block - pos % block
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if kind == 0:
+                break
+            chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+            parts = chunk if kind in (1, 2) else parts + chunk
+            if kind in (1, 4):
+                records.append(wandb_internal_pb2.Record.FromString(parts))
+        return records
+
+    @classmethod
+    def wandb(cls, run_dir: Path) -> list[tuple[str, Series]]:
+        """(run id, metrics against our `step`) of each W&B attempt in wandb/, oldest first."""
+        attempts = []
+        for path in sorted(run_dir.glob("wandb/*run-*/run-*.wandb")):
+            run_id, series = "", {}
+            for record in cls.wandb_records(path):
+                if record.HasField("run"):
+                    run_id = record.run.run_id
+                elif record.HasField("history"):
+                    row = {
+                        i.key or "/".join(i.nested_key): i.value_json for i in record.history.item
+                    }
+                    for k, v in row.items():
+                        if not k.startswith("_") and k != "step":
+                            series.setdefault(k, {})[int(row["step"])] = float(v)
+            attempts.append((run_id, series))
+        return attempts
+
+    @staticmethod
+    def mlflow(run_dir: Path, experiment: str) -> list[tuple[Any, Series]]:
+        """(run, every metric's history) of each MLflow run of `experiment` in mlruns/."""
+        from mlflow.tracking import MlflowClient
+
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # as rlvr.run.loggers opens the store
+        client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+        exp = client.get_experiment_by_name(experiment)
+        found = []
+        for run in client.search_runs([exp.experiment_id]):
+            series = {
+                k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)}
+                for k in run.data.metrics
+            }
+            found.append((run, series))
+        return found
+
+
+@pytest.fixture(scope="session")
+def logger_stores() -> type[LoggerStores]:
+    """Readers of the TensorBoard, W&B (offline files) and MLflow (file store) stores."""
+    return LoggerStores

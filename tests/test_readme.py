@@ -1,10 +1,10 @@
 """README.md is executable: every command of its ```bash blocks is accepted by the code as written.
 
 `rlvr train` / `rlvr demo` lines load their config with their `--set` overrides exactly as the CLI
-does and run the CLI's pre-actor `prepare` (model, task, SFT warm-up: built once, then cached);
-other `rlvr`, `ray` and `bench/*.py` lines go through their own argument parsers; `make` targets
-are dry-run; every repository file the README names must exist. A README line no check knows
-fails, so a new example cannot go untested.
+does and run the CLI's pre-actor `prepare_training` (loggers' packages, model, task, SFT warm-up:
+built once, then cached); other `rlvr`, `ray` and `bench/*.py` lines go through their own argument
+parsers; `make` targets are dry-run; every repository file the README names must exist. A README
+line no check knows fails, so a new example cannot go untested.
 """
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ def parse_rlvr(argv: list[str]) -> argparse.Namespace:
 
 def check_rlvr(argv: list[str]) -> None:
     """Parse; a training line also loads, validates and prepares its config as the CLI would."""
-    from workflows.train import prepare
+    from workflows.train import prepare_training
 
     args = parse_rlvr(argv)
     if args.command in ("train", "demo") and not getattr(args, "resume", None):
-        prepare(load_config(args.config or DEMO_CONFIG, args.set))
+        prepare_training(load_config(args.config or DEMO_CONFIG, args.set))
     elif args.command in ("filter", "rubrics"):
         load_config(args.config, args.set)
     elif args.command == "serve":

@@ -116,7 +116,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     quiet = not (args.engine_logs or args.in_process)  # in-process, the engines run right here
     if quiet:
         quiet_driver()
-    from workflows.train import load_run_config, prepare, run_path_for, train
+    from workflows.train import load_run_config, prepare_training, run_path_for, train
 
     if args.resume:
         run_path = Path(args.resume)
@@ -126,7 +126,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, args.set)
         run_path = run_path_for(cfg)
-    prepared = prepare(cfg)  # bad models or data fail here, before Ray or any actor starts
+    prepared = prepare_training(cfg)  # bad input fails here, before Ray or any actor starts
     init_ray(cfg, announce_engine_log(run_path) if quiet else None)
     summary = train(
         cfg, run_path, resume=bool(args.resume), use_actors=not args.in_process, prepared=prepared
@@ -166,11 +166,11 @@ def demo_run_path(cfg: Config, overwrite: bool) -> Path:
 def cmd_demo(args: argparse.Namespace) -> int:
     if not args.engine_logs:
         quiet_driver()
-    from workflows.train import prepare, train
+    from workflows.train import prepare_training, train
 
     cfg = load_config(args.config or DEMO_CONFIG, args.set)
     run_path = demo_run_path(cfg, args.overwrite)
-    prepared = prepare(cfg)
+    prepared = prepare_training(cfg)
     init_ray(cfg, None if args.engine_logs else announce_engine_log(run_path))
     summary = train(cfg, run_path, prepared=prepared)
     print(format_before_after(summary))

@@ -28,6 +28,7 @@ from rlvr.generation.base import SamplingParams
 from rlvr.models import cache_dir, resolve_model_path
 from rlvr.models.sft import sft_warmup
 from rlvr.run.files import atomic_write_text
+from rlvr.run.loggers import Loggers, check_loggers, open_loggers
 from rlvr.run.metrics import group_stats, rollout_stats, uncomputed_stats
 from rlvr.run.rundir import RunDir
 from rlvr.tasks import load_task
@@ -318,6 +319,13 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
     return model_dir, train_problems, test_problems
 
 
+def prepare_training(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
+    """`prepare`, after the check only training needs: the packages of `run.loggers` (evaluating
+    or exporting a run's checkpoint needs none of them)."""
+    check_loggers(cfg.run.loggers)
+    return prepare(cfg)
+
+
 def train(
     cfg: Config,
     run_path: Path,
@@ -332,10 +340,10 @@ def train(
     and resumes after the last committed step, exactly as `rlvr train --resume` would, so the
     run ends bit-identical to an uninterrupted one. Each recovery is printed and appended to the
     run directory's recoveries.jsonl. An error raised inside a call (a bug, bad input) is not
-    retried: it would only repeat. `prepared` is `prepare(cfg)`'s result when the caller
+    retried: it would only repeat. `prepared` is `prepare_training(cfg)`'s result when the caller
     validated the inputs before Ray started.
     """
-    prepared = prepared or prepare(cfg)
+    prepared = prepared or prepare_training(cfg)
     failures = 0
     while True:
         try:
@@ -376,22 +384,35 @@ def _train_attempt(
     use_actors: bool,
     prepared: tuple[Path, list[Problem], list[Problem]],
 ) -> dict[str, Any]:
-    """One attempt at the run: start the actors, resume after the last committed step (when
-    `resume`), train to the end, write the final model and summary."""
-    from torch.utils.tensorboard import SummaryWriter
-    from transformers import AutoTokenizer
-
+    """One attempt at the run: resume after the last committed step (when `resume`), open the
+    loggers of `run.loggers` (continuing their runs), train to the end."""
     run = RunDir(run_path)
-    model_dir, train_problems, test_problems = prepared
     if not resume:
         if run.completed_steps():
             raise ConfigError(f"{run_path} already holds a run; use --resume or another run.name")
         run.create(cfg.to_dict())
 
     last = run.last_intact_step() if resume else None
-    start = 0 if last is None else last + 1
     run.truncate_logs_after(last if last is not None else -1)
+    first_logged = -1 if last is None else last + 1  # -1: the evaluation before training
+    with open_loggers(cfg.run, run.path, cfg.to_dict(), first_logged) as loggers:
+        return _train_after(cfg, run, last, use_actors, prepared, loggers)
 
+
+def _train_after(
+    cfg: Config,
+    run: RunDir,
+    last: int | None,
+    use_actors: bool,
+    prepared: tuple[Path, list[Problem], list[Problem]],
+    loggers: Loggers,
+) -> dict[str, Any]:
+    """Start the actors, restore step `last` (None: start afresh) and train after it to the end,
+    each step's metrics to `loggers`; write the final model and summary."""
+    from transformers import AutoTokenizer
+
+    model_dir, train_problems, test_problems = prepared
+    start = 0 if last is None else last + 1
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     comps = start_components(cfg, model_dir, use_actors=use_actors)
     if comps.layout:
@@ -411,7 +432,6 @@ def _train_attempt(
     except BaseException:
         comps.shutdown()
         raise
-    writer = SummaryWriter(str(run.tb_dir), purge_step=start)
     try:
         key = best_metric(cfg)
         best_step, best_value = None, None
@@ -422,7 +442,7 @@ def _train_attempt(
             best_value = evals.get(best_step, {}).get(key)
         else:
             before = trainer.evaluate(step=-1)
-            _log_scalars(writer, before, -1)
+            loggers.log(before, -1)
         bar = tqdm(
             range(start, cfg.run.steps),
             initial=start,
@@ -439,7 +459,7 @@ def _train_attempt(
                 if best_value is None or ev[key] > best_value:
                     best_value, best_step = ev[key], step
             trainer.persist(step, metrics, best_step)
-            _log_scalars(writer, metrics, step)
+            loggers.log(metrics, step)
             bar.set_postfix(
                 reward=f"{metrics['reward_mean']:.3f}",
                 acc=f"{metrics['accuracy']:.3f}",
@@ -449,7 +469,7 @@ def _train_attempt(
         tokenizer.save_pretrained(run.final_model)
         evals = run.read_eval()
         summary = {
-            "run_dir": str(run_path),
+            "run_dir": str(run.path),
             "steps": cfg.run.steps,
             "eval_before": next((e for e in evals if e["step"] == -1), None),
             "eval_after": evals[-1] if evals else None,
@@ -460,21 +480,9 @@ def _train_attempt(
         atomic_write_text(run.path / "summary.json", json.dumps(summary, indent=2))
         return summary
     finally:
-        writer.close()
         comps.shutdown()
         if trainer.ahead:
             trainer.ahead.close()
-
-
-def _log_scalars(writer: Any, metrics: dict[str, Any], step: int) -> None:
-    for k, v in metrics.items():
-        if (
-            k != "step"
-            and isinstance(v, int | float)
-            and not isinstance(v, bool)
-            and math.isfinite(v)
-        ):
-            writer.add_scalar(k, v, step)
 
 
 def load_run_config(run_path: Path) -> Config:

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 
 class RunDir:
-    """Layout: config.yaml, metrics.jsonl, eval.jsonl, rollouts.jsonl, tb/, final/ (model and
-    tokenizer after the last step), summary.json, and checkpoints/step_NNNNNN/ holding the step's
+    """Layout: config.yaml, metrics.jsonl, eval.jsonl, rollouts.jsonl, final/ (model and
+    tokenizer after the last step), summary.json, the stores of `run.loggers` (tb/, wandb/,
+    mlruns/ and loggers.json, `rlvr.run.loggers`), and checkpoints/step_NNNNNN/ holding the step's
     policy/, controller.json and progress.json (the step, the best step so far and the metric
     that picked it), which the training workflow writes; the best step's checkpoint survives
     pruning."""
@@ -44,7 +45,6 @@ class RunDir:
         self.eval_file = self.path / "eval.jsonl"
         self.rollouts_file = self.path / "rollouts.jsonl"
         self.recoveries_file = self.path / "recoveries.jsonl"
-        self.tb_dir = self.path / "tb"
         self.final_model = self.path / "final"
 
     # --- config -------------------------------------------------------------------------------

@@ -72,9 +72,10 @@ def train_args(output_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_run_dir(tmp_path_factory) -> Path:
-    """A finished 4-step tiny run (actors, vLLM, DeepSpeed, verifier pool)."""
+    """A finished 4-step tiny run (actors, vLLM, DeepSpeed, verifier pool), logging to every
+    store of `run.loggers` (W&B offline)."""
     out = tmp_path_factory.mktemp("runs")
-    proc = cli(train_args(out, "run.steps=4"))
+    proc = cli(train_args(out, "run.steps=4", "run.loggers=[tensorboard,mlflow,wandb]"))
     log, _ = proc.communicate(timeout=1200)
     assert proc.returncode == 0, log[-4000:]
     return out / "full"

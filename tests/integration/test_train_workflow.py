@@ -10,7 +10,7 @@ import pytest
 from workflows.cli import main as cli_main
 
 
-def test_run_directory_contents(tiny_run_dir):
+def test_run_directory_contents(tiny_run_dir, logger_stores):
     run = tiny_run_dir
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
@@ -38,7 +38,20 @@ def test_run_directory_contents(tiny_run_dir):
     assert [e["step"] for e in evals] == [-1, 3]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     assert (run / "final" / "model.safetensors").is_file()
-    assert list((run / "tb").iterdir())
+    # each store of run.loggers holds the numbers of metrics.jsonl and eval.jsonl, by step
+    want = {
+        "reward_mean": {m["step"]: m["reward_mean"] for m in metrics},
+        "eval_accuracy": {e["step"]: e["eval_accuracy"] for e in evals},
+    }
+    [(wandb_id, wandb_series)] = logger_stores.wandb(run)
+    [(mlflow_run, mlflow_series)] = logger_stores.mlflow(run, "full")
+    assert mlflow_run.info.status == "FINISHED"
+    assert mlflow_run.data.params["run.loggers"] == '["tensorboard", "mlflow", "wandb"]'
+    ids = json.loads((run / "loggers.json").read_text())
+    assert ids == {"mlflow": mlflow_run.info.run_id, "wandb": wandb_id}
+    for series in (logger_stores.tensorboard(run), wandb_series, mlflow_series):
+        for name, by_step in want.items():
+            assert series[name] == pytest.approx(by_step, rel=1e-6), name
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval_before"]["step"] == -1
 
@@ -82,6 +95,7 @@ def test_off_policy_run_resumes_exactly(
         (["generation.group_size=1"], "generation.group_size"),
         (["resources.num_verifiers=64", "resources.verifier_cpus=1"], "resources: the actors need"),
         (["task.name=file", "task.train_path=/nonexistent.jsonl"], "task:"),
+        (["run.loggers=[tensorboard,neptune]"], "run.loggers.1: Input should be"),
     ],
 )
 def test_bad_input_fails_before_any_actor(tmp_path, capsys, tiny_config, overrides, message):
