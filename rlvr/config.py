@@ -72,8 +72,14 @@ class ModelConfig(Section):
 
 
 class DifficultyConfig(Section):
-    min_steps: int = Field(1, ge=1, description="Fewest arithmetic operations per problem.")
-    max_steps: int = Field(2, ge=1, description="Most arithmetic operations per problem.")
+    min_steps: int = Field(
+        1,
+        ge=1,
+        description="Fewest operations per problem (arithmetic; code: the function's steps).",
+    )
+    max_steps: int = Field(
+        2, ge=1, description="Most operations per problem (arithmetic; code: up to 3)."
+    )
     max_operand: int = Field(20, ge=1, description="Largest operand.")
     operators: str = Field("+-", min_length=1, description="Allowed operators, a subset of '+-*'.")
     style: Literal["expression", "words", "mixed"] = Field(

@@ -29,7 +29,13 @@ def load_task(task_cfg: Any) -> tuple[list[Problem], list[Problem]]:
         )
         return task.problems("train", task_cfg.n_train), task.problems("test", task_cfg.n_test)
     if task_cfg.name == "code":
-        task = CodeTask(seed=task_cfg.seed, max_operand=task_cfg.difficulty.max_operand)
+        difficulty = task_cfg.difficulty
+        task = CodeTask(
+            seed=task_cfg.seed,
+            max_operand=difficulty.max_operand,
+            min_steps=difficulty.min_steps,
+            max_steps=difficulty.max_steps,
+        )
         return task.problems("train", task_cfg.n_train), task.problems("test", task_cfg.n_test)
     if task_cfg.name == "explain":
         task = ExplainTask(

@@ -20,8 +20,19 @@ def test_problems_are_seeded_distinct_and_split():
         assert p.solution.startswith("```python\ndef f(x):")
 
 
-def test_reference_solutions_pass_and_a_wrong_one_fails():
-    problems = CodeTask(seed=0).problems("test", 6)
+def test_steps_pick_the_forms():
+    easy = CodeTask(seed=0).problems("test", 500)
+    assert easy == CodeTask(seed=0, min_steps=1, max_steps=2).problems("test", 500)
+    hard = CodeTask(seed=0, min_steps=3, max_steps=3).problems("test", 500)
+    assert not {p.id for p in easy} & {p.id for p in hard}
+    assert any(" if x " in p.prompt for p in hard)
+    with pytest.raises(ValueError, match="no code form has 4-5 steps"):
+        CodeTask(min_steps=4, max_steps=5)
+
+
+@pytest.mark.parametrize("max_steps", [2, 3])
+def test_reference_solutions_pass_and_a_wrong_one_fails(max_steps):
+    problems = CodeTask(seed=0, max_steps=max_steps).problems("test", 12)
     with CodeVerifier(num_workers=2, timeout=10.0) as v:
         assert v.verify_batch([p.solution for p in problems], [p.answer for p in problems]) == [
             (1.0, "correct")
