@@ -59,7 +59,9 @@ class LoraConfig(Section):
 
 class ModelConfig(Section):
     path: str = Field(
-        "tiny", description="'tiny' (built locally), 'smollm2' (bundled), or a local HF directory."
+        "tiny",
+        description="'tiny' or 'tiny-llama' (a small Qwen2 or Llama built locally), 'smollm2' "
+        "(bundled), or a local HF directory.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Weights dtype for training and generation."
@@ -504,8 +506,8 @@ class TandemConfig(Section):
     )
     junior_path: str | None = Field(
         None,
-        description="Frozen junior ('tiny', 'smollm2' or an HF directory with the senior's "
-        "tokenizer); None = the senior's starting weights (the base model).",
+        description="Frozen junior ('tiny', 'tiny-llama', 'smollm2' or an HF directory with the "
+        "senior's tokenizer); None = the senior's starting weights (the base model).",
     )
 
 

@@ -25,7 +25,7 @@ from rlvr.serving.streams import STREAM_NAME
 class ServeModelConfig(Section):
     path: str = Field(
         "tiny",
-        description="Checkpoint to serve: 'tiny', 'smollm2' or a local HF directory "
+        description="Checkpoint to serve: 'tiny', 'tiny-llama', 'smollm2' or a local HF directory "
         "(e.g. runs/NAME/final).",
     )
     adapter: str | None = Field(
