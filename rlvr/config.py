@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,6 +18,9 @@ from rlvr.algorithms import dro, duet, laconic
 from rlvr.generation.base import SamplingParams
 from rlvr.run.placement import GroupPlan, merge_bundles, plan_placement
 from rlvr.tasks.prompts import PROMPT_SLOT
+
+if TYPE_CHECKING:
+    from rlvr.serving.config import ServeConfig
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 128)
 
@@ -1002,6 +1005,11 @@ class Config(Section):
         lam_max, _ = laconic.resolve_lam_max(lc.lam_max, lc.budget, self.generation.max_tokens)
         return {"budget": lc.budget, "eta": lc.eta, "lam_max": lam_max, "lam": lc.lam_init}
 
+    def vllm_on_cpu(self) -> bool:
+        """Whether generation runs on vLLM's CPU backend: vLLM engines given no GPU (vLLM then
+        finds no CUDA device in the engine's actor)."""
+        return self.generation.backend == "vllm" and not self.resources.generator_gpus
+
     def check_cpus(self, available: float) -> None:
         """Fail before any actor starts when the actors ask for more CPUs than the cluster has."""
         self.check_cluster([{"CPU": available}], strict_placement=False)
@@ -1186,8 +1194,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(data)
 
 
-def check_model_for_backend(cfg: Config, model_dir: Path) -> None:
-    """Checks that need the resolved model: vLLM's CPU kernels accept only some head sizes."""
+def check_model_for_backend(cfg: Config | ServeConfig, model_dir: Path) -> None:
+    """Checks that need the resolved model: its context length, and where vLLM runs on CPU
+    (`vllm_on_cpu`) the head sizes its CPU attention kernels accept (GPU kernels take others)."""
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise ConfigError(
@@ -1195,10 +1204,11 @@ def check_model_for_backend(cfg: Config, model_dir: Path) -> None:
         )
     hf = json.loads(config_file.read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    if cfg.generation.backend == "vllm" and head_dim not in VLLM_CPU_HEAD_SIZES:
+    if cfg.vllm_on_cpu() and head_dim not in VLLM_CPU_HEAD_SIZES:
         raise ConfigError(
             f"invalid config: model.path: head size {head_dim} is not supported by vLLM's CPU kernels "
-            f"(supported: {VLLM_CPU_HEAD_SIZES}); use generation.backend=hf or another model"
+            f"(supported: {VLLM_CPU_HEAD_SIZES}); use generation.backend=hf, GPUs for the engines "
+            "or another model"
         )
     if cfg.generation.max_model_len > hf.get(
         "max_position_embeddings", cfg.generation.max_model_len

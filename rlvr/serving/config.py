@@ -163,6 +163,10 @@ class ServeConfig(Section):
         """Where the ControllerActor keeps the durable streams."""
         return Path(self.csa.state_dir or Path("runs") / self.name / "csa")
 
+    def vllm_on_cpu(self) -> bool:
+        """Whether generation runs on vLLM's CPU backend (replicas hold no GPUs)."""
+        return self.generation.backend == "vllm"
+
     def check_cpus(self, available: float) -> None:
         """Fail before anything starts when the replicas ask for more CPUs than there are."""
         need = self.replicas.num_replicas * self.replicas.cpus
