@@ -1217,3 +1217,23 @@ def check_model_for_backend(cfg: Config | ServeConfig, model_dir: Path) -> None:
             f"invalid config: generation.max_model_len: {cfg.generation.max_model_len} exceeds the model's "
             f"max_position_embeddings {hf['max_position_embeddings']}"
         )
+
+
+def check_lora_targets(cfg: Config, model_dir: Path) -> None:
+    """With LoRA on, `model.lora.target_modules` must name some layer of the model (the defaults
+    fit Qwen2 and Llama, not every architecture): PEFT would refuse only inside the PolicyActor."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return
+    from transformers import AutoConfig
+
+    from rlvr.generation.hf_backend import hf_weight_names
+
+    params, _ = hf_weight_names(AutoConfig.from_pretrained(model_dir))
+    modules = {name.rsplit(".", 1)[0] for name in params}
+    if not any(m == t or m.endswith(f".{t}") for m in modules for t in lora.target_modules):
+        leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        raise ConfigError(
+            f"invalid config: model.lora.target_modules: none of {lora.target_modules} is a "
+            f"layer of {model_dir} (its layers: {', '.join(leaves)})"
+        )
