@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -37,7 +37,7 @@ ARCH = {
 }
 VOCAB_SIZE = 1024
 TinyArch = Literal["qwen2", "llama"]
-TINY_ARCHS: tuple[TinyArch, ...] = ("qwen2", "llama")
+TINY_ARCHS: tuple[TinyArch, ...] = get_args(TinyArch)
 LLAMA_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
