@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,6 +18,9 @@ from rlvr.algorithms import dro, duet, laconic
 from rlvr.generation.base import SamplingParams
 from rlvr.run.placement import GroupPlan, merge_bundles, plan_placement
 from rlvr.tasks.prompts import PROMPT_SLOT
+
+if TYPE_CHECKING:
+    from rlvr.serving.config import ServeConfig
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 128)
 
@@ -59,7 +62,9 @@ class LoraConfig(Section):
 
 class ModelConfig(Section):
     path: str = Field(
-        "tiny", description="'tiny' (built locally), 'smollm2' (bundled), or a local HF directory."
+        "tiny",
+        description="'tiny' or 'tiny-llama' (a small Qwen2 or Llama built locally), 'smollm2' "
+        "(bundled), or a local HF directory.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Weights dtype for training and generation."
@@ -510,8 +515,8 @@ class TandemConfig(Section):
     )
     junior_path: str | None = Field(
         None,
-        description="Frozen junior ('tiny', 'smollm2' or an HF directory with the senior's "
-        "tokenizer); None = the senior's starting weights (the base model).",
+        description="Frozen junior ('tiny', 'tiny-llama', 'smollm2' or an HF directory with the "
+        "senior's tokenizer); None = the senior's starting weights (the base model).",
     )
 
 
@@ -1027,6 +1032,11 @@ class Config(Section):
         lam_max, _ = laconic.resolve_lam_max(lc.lam_max, lc.budget, self.generation.max_tokens)
         return {"budget": lc.budget, "eta": lc.eta, "lam_max": lam_max, "lam": lc.lam_init}
 
+    def vllm_on_cpu(self) -> bool:
+        """Whether generation runs on vLLM's CPU backend: vLLM engines given no GPU (vLLM then
+        finds no CUDA device in the engine's actor)."""
+        return self.generation.backend == "vllm" and not self.resources.generator_gpus
+
     def check_cpus(self, available: float) -> None:
         """Fail before any actor starts when the actors ask for more CPUs than the cluster has."""
         self.check_cluster([{"CPU": available}], strict_placement=False)
@@ -1211,8 +1221,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(data)
 
 
-def check_model_for_backend(cfg: Config, model_dir: Path) -> None:
-    """Checks that need the resolved model: vLLM's CPU kernels accept only some head sizes."""
+def check_model_for_backend(cfg: Config | ServeConfig, model_dir: Path) -> None:
+    """Checks that need the resolved model: its context length, and where vLLM runs on CPU
+    (`vllm_on_cpu`) the head sizes its CPU attention kernels accept (GPU kernels take others)."""
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise ConfigError(
@@ -1220,10 +1231,11 @@ def check_model_for_backend(cfg: Config, model_dir: Path) -> None:
         )
     hf = json.loads(config_file.read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    if cfg.generation.backend == "vllm" and head_dim not in VLLM_CPU_HEAD_SIZES:
+    if cfg.vllm_on_cpu() and head_dim not in VLLM_CPU_HEAD_SIZES:
         raise ConfigError(
             f"invalid config: model.path: head size {head_dim} is not supported by vLLM's CPU kernels "
-            f"(supported: {VLLM_CPU_HEAD_SIZES}); use generation.backend=hf or another model"
+            f"(supported: {VLLM_CPU_HEAD_SIZES}); use generation.backend=hf, GPUs for the engines "
+            "or another model"
         )
     if cfg.generation.max_model_len > hf.get(
         "max_position_embeddings", cfg.generation.max_model_len
@@ -1231,4 +1243,24 @@ def check_model_for_backend(cfg: Config, model_dir: Path) -> None:
         raise ConfigError(
             f"invalid config: generation.max_model_len: {cfg.generation.max_model_len} exceeds the model's "
             f"max_position_embeddings {hf['max_position_embeddings']}"
+        )
+
+
+def check_lora_targets(cfg: Config, model_dir: Path) -> None:
+    """With LoRA on, `model.lora.target_modules` must name some layer of the model (the defaults
+    fit Qwen2 and Llama, not every architecture): PEFT would refuse only inside the PolicyActor."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return
+    from transformers import AutoConfig
+
+    from rlvr.generation.hf_backend import hf_weight_names
+
+    params, _ = hf_weight_names(AutoConfig.from_pretrained(model_dir))
+    modules = {name.rsplit(".", 1)[0] for name in params}
+    if not any(m == t or m.endswith(f".{t}") for m in modules for t in lora.target_modules):
+        leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        raise ConfigError(
+            f"invalid config: model.lora.target_modules: none of {lora.target_modules} is a "
+            f"layer of {model_dir} (its layers: {', '.join(leaves)})"
         )

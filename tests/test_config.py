@@ -7,6 +7,7 @@ import pytest
 
 from rlvr.config import ConfigError, check_model_for_backend, config_from_dict, load_config
 from rlvr.run.placement import plan_placement
+from rlvr.serving.config import load_serve_config
 from rlvr.tasks import load_task
 
 TRAIN_CONFIGS = sorted(
@@ -88,14 +89,18 @@ def test_missing_file_and_bad_top_level(tmp_path):
         load_config(f)
 
 
-def test_head_size_rejected_for_vllm(tmp_path):
+def test_head_size_rejected_for_vllm_on_cpu_only(tmp_path):
+    """vLLM's CPU kernels take head sizes 32/64/128 only: refused there, naming model.path;
+    the hf backend and vLLM engines on GPUs take the model."""
     (tmp_path / "config.json").write_text(
         json.dumps({"hidden_size": 96, "num_attention_heads": 2, "max_position_embeddings": 2048})
     )
-    cfg = load_config()
-    with pytest.raises(ConfigError, match=r"model\.path: head size 48"):
-        check_model_for_backend(cfg, tmp_path)
+    for cfg in (load_config(), load_serve_config()):
+        with pytest.raises(ConfigError, match=r"model\.path: head size 48 .* CPU kernels"):
+            check_model_for_backend(cfg, tmp_path)
     check_model_for_backend(load_config(None, ["generation.backend=hf"]), tmp_path)
+    check_model_for_backend(load_serve_config(None, ["generation.backend=hf"]), tmp_path)
+    check_model_for_backend(load_config(None, ["resources.generator_gpus=1"]), tmp_path)
 
 
 def test_not_a_model_dir(tmp_path):

@@ -75,6 +75,17 @@ def test_a_model_without_chat_template_needs_raw_prompts(tmp_path):
     assert model_dir == bare and len(train) == 8
 
 
+def test_lora_targets_must_name_layers_of_the_model(tmp_path):
+    """The default targets fit the tiny Llama; GPT-2's names are refused before any actor starts,
+    naming the key and the model's own layers."""
+    corpus = list(ArithmeticTask(seed=0).corpus(100))
+    model = build_tiny_model(tmp_path / "llama", seed=0, corpus=corpus, arch="llama")
+    sets = [f"model.path={model}", "model.lora.enabled=true", "task.n_train=8", "task.n_test=4"]
+    assert prepare(load_config(None, sets))[0] == model
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: none of .*q_proj"):
+        prepare(load_config(None, [*sets, "model.lora.target_modules=[c_attn, c_fc]"]))
+
+
 def one_uncomputed(texts: list[str], golds: list[str]) -> list[tuple[float, str]]:
     """A verifier pool's scores where the first reward could not be computed."""
     return [(0.0, "verifier_failed")] + [(0.0, "wrong")] * (len(texts) - 1)

@@ -381,7 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(fn=cmd_serve)
 
     c = sub.add_parser("calibrate", help="fit the CSA score map and grid of a checkpoint")
-    c.add_argument("--checkpoint", required=True, help="'tiny', 'smollm2' or an HF directory")
+    c.add_argument(
+        "--checkpoint", required=True, help="'tiny', 'tiny-llama', 'smollm2' or an HF directory"
+    )
     c.add_argument(
         "--data", required=True, help="JSONL/parquet problems, or a training preset YAML"
     )

@@ -23,7 +23,13 @@ import numpy as np
 from tqdm import tqdm
 
 from rlvr.algorithms.method import build_method, method_class, timed
-from rlvr.config import Config, ConfigError, check_model_for_backend, config_from_dict
+from rlvr.config import (
+    Config,
+    ConfigError,
+    check_lora_targets,
+    check_model_for_backend,
+    config_from_dict,
+)
 from rlvr.generation.base import SamplingParams
 from rlvr.models import cache_dir, resolve_model_path
 from rlvr.models.sft import sft_warmup
@@ -283,6 +289,7 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
     except FileNotFoundError as err:
         raise ConfigError(f"invalid config: model.path: {err}") from None
     check_model_for_backend(cfg, model_dir)
+    check_lora_targets(cfg, model_dir)
     try:
         train_problems, test_problems = load_task(cfg.task)
     except ValueError as err:

@@ -6,8 +6,10 @@ import os
 from pathlib import Path
 
 from rlvr.models.smollm2 import materialize_smollm2
-from rlvr.models.tiny import build_tiny_model
+from rlvr.models.tiny import TinyArch, build_tiny_model
 
+TINY_MODELS: dict[str, TinyArch] = {"tiny": "qwen2", "tiny-llama": "llama"}
+"""`model.path` names of the locally built tiny models, and their architectures."""
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -24,18 +26,20 @@ def cache_dir() -> Path:
 def resolve_model_path(spec: str, seed: int = 0) -> Path:
     """The model directory a config's `model.path` names.
 
-    'tiny' builds (once) the tiny model for `seed`, 'smollm2' materializes (once) the bundled
-    SmolLM2; anything else must be an existing local Hugging Face model directory. Raises
-    FileNotFoundError saying what is missing.
+    'tiny' ('tiny-llama') builds (once) the tiny Qwen2 (Llama) model for `seed`, 'smollm2'
+    materializes (once) the bundled SmolLM2; anything else must be an existing local Hugging Face
+    model directory. Raises FileNotFoundError saying what is missing.
     """
-    if spec == "tiny":
-        return build_tiny_model(cache_dir() / "models" / f"tiny-seed{seed}", seed=seed)
+    if spec in TINY_MODELS:
+        out = cache_dir() / "models" / f"{spec}-seed{seed}"
+        return build_tiny_model(out, seed=seed, arch=TINY_MODELS[spec])
     if spec == "smollm2":
         return materialize_smollm2(cache_dir() / "models" / "smollm2-135m-instruct")
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model path {spec!r} is neither 'tiny', 'smollm2' nor an existing directory"
+            f"model path {spec!r} is neither 'tiny', 'tiny-llama', 'smollm2' nor an existing "
+            "directory"
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -48,4 +52,10 @@ def resolve_model_path(spec: str, seed: int = 0) -> Path:
     return path
 
 
-__all__ = ["build_tiny_model", "cache_dir", "materialize_smollm2", "resolve_model_path"]
+__all__ = [
+    "TINY_MODELS",
+    "build_tiny_model",
+    "cache_dir",
+    "materialize_smollm2",
+    "resolve_model_path",
+]

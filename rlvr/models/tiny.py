@@ -1,7 +1,9 @@
-"""A tiny Qwen2 causal LM with a locally trained byte-level BPE tokenizer, for tests and quick runs.
+"""A tiny causal LM with a locally trained byte-level BPE tokenizer, for tests and quick runs.
 
-head_dim is 64 because vLLM's CPU attention kernels accept only 32/64/128. Building is
-deterministic for a seed (same files bit for bit) and cached: a directory holding the same
+Two architectures of one size and tokenizer: Qwen2 (biased q/k/v, tied embeddings) and Llama
+(bias-free, untied LM head, Llama 3 rope scaling), so the spine is exercised on more than one
+model family. head_dim is 64 because vLLM's CPU attention kernels accept only 32/64/128. Building
+is deterministic for a seed (same files bit for bit) and cached: a directory holding the same
 fingerprint is reused as is.
 """
 
@@ -13,7 +15,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -34,6 +36,17 @@ ARCH = {
     "max_position_embeddings": 1024,
 }
 VOCAB_SIZE = 1024
+TinyArch = Literal["qwen2", "llama"]
+TINY_ARCHS: tuple[TinyArch, ...] = get_args(TinyArch)
+LLAMA_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+"""Llama 3's frequency-dependent rope scaling, stretched from 256 to the 1024 positions."""
 FINGERPRINT = "rlvr_tiny.json"
 # Bump when the build itself changes, so cached models from an older builder are rebuilt.
 BUILDER_VERSION = 2
@@ -104,46 +117,63 @@ def _hash_texts(texts: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def _model(arch: TinyArch, tokenizer: Any) -> Any:
+    """The untrained causal LM of `arch` for `tokenizer`, its weights drawn from torch's RNG."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = {
+        "vocab_size": ((len(tokenizer) + 63) // 64) * 64,
+        **ARCH,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.eos_token_id,
+        "dtype": "float32",
+    }
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0))
+    config = LlamaConfig(**common, tie_word_embeddings=False, rope_parameters=LLAMA_ROPE)
+    return LlamaForCausalLM(config)
+
+
 def build_tiny_model(
-    out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | None = None
+    out_dir: str | Path,
+    seed: int = 0,
+    corpus: Iterable[str] | None = None,
+    arch: TinyArch = "qwen2",
 ) -> Path:
-    """Build the tiny model + tokenizer in `out_dir` (HF format, safetensors); returns `out_dir`.
+    """Build the tiny `arch` model + tokenizer in `out_dir` (HF format, safetensors); returns
+    `out_dir`.
 
     The tokenizer is trained on `corpus` (default: arithmetic task text) and the weights are
     initialised from `seed`. If `out_dir` already holds a build with the same fingerprint
     (seed, architecture, corpus hash, builder version) it is returned without rebuilding.
     """
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r} (one of {', '.join(TINY_ARCHS)})")
     out = Path(out_dir)
     texts = list(corpus) if corpus is not None else default_corpus()
     if not texts:
         raise ValueError("the tokenizer corpus is empty")
-    fingerprint = {
+    fingerprint: dict[str, Any] = {
         "builder": BUILDER_VERSION,
         "seed": seed,
         "arch": ARCH,
         "vocab": VOCAB_SIZE,
         "corpus_hash": _hash_texts(texts),
     }
+    if arch != "qwen2":
+        # Qwen2 builds keep the fingerprint they had before there was a choice (caches stay valid).
+        fingerprint["model_type"] = arch
     marker = out / FINGERPRINT
     if marker.is_file() and json.loads(marker.read_text()) == fingerprint:
         return out
 
-    staging = staging_dir(out)
     tokenizer = _train_tokenizer(texts)
-    config = Qwen2Config(
-        vocab_size=((len(tokenizer) + 63) // 64) * 64,
-        **ARCH,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        dtype="float32",
-    )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = _model(arch, tokenizer)
+    staging = staging_dir(out)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

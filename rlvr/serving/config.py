@@ -25,7 +25,7 @@ from rlvr.serving.streams import STREAM_NAME
 class ServeModelConfig(Section):
     path: str = Field(
         "tiny",
-        description="Checkpoint to serve: 'tiny', 'smollm2' or a local HF directory "
+        description="Checkpoint to serve: 'tiny', 'tiny-llama', 'smollm2' or a local HF directory "
         "(e.g. runs/NAME/final).",
     )
     adapter: str | None = Field(
@@ -162,6 +162,10 @@ class ServeConfig(Section):
     def state_dir(self) -> Path:
         """Where the ControllerActor keeps the durable streams."""
         return Path(self.csa.state_dir or Path("runs") / self.name / "csa")
+
+    def vllm_on_cpu(self) -> bool:
+        """Whether generation runs on vLLM's CPU backend (replicas hold no GPUs)."""
+        return self.generation.backend == "vllm"
 
     def check_cpus(self, available: float) -> None:
         """Fail before anything starts when the replicas ask for more CPUs than there are."""

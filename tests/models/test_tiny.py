@@ -1,6 +1,8 @@
-"""Tiny model builder: deterministic, cached, loadable, head size vLLM's CPU kernels accept."""
+"""Tiny model builder: deterministic, cached, loadable, head size vLLM's CPU kernels accept, in
+two architectures (Qwen2 and Llama) sharing one tokenizer."""
 
 import hashlib
+import json
 
 import pytest
 import torch
@@ -32,6 +34,17 @@ def tiny(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """The model `model.path: tiny-llama` resolves to, in a private cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLVR_CACHE", str(cache))
+        path = resolve_model_path("tiny-llama", seed=0)
+    assert path == cache / "models" / "tiny-llama-seed0"
+    return path
+
+
 def test_deterministic_for_a_seed(tmp_path):
     a = build_tiny_model(tmp_path / "a", seed=0, corpus=CORPUS)
     b = build_tiny_model(tmp_path / "b", seed=0, corpus=CORPUS)
@@ -53,6 +66,21 @@ def test_fingerprint_cache(tmp_path):
     assert (path / FINGERPRINT).is_file()
 
 
+def test_architecture_is_part_of_the_build(tmp_path):
+    """A Llama build is deterministic too, and is not the Qwen2 build cached in its directory."""
+    path = build_tiny_model(tmp_path / "m", seed=0, corpus=CORPUS)
+    qwen2 = _digest(path)
+    assert build_tiny_model(path, seed=0, corpus=CORPUS, arch="llama") == path
+    llama = _digest(path)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+    assert llama["model.safetensors"] != qwen2["model.safetensors"]
+    assert llama["tokenizer.json"] == qwen2["tokenizer.json"]
+    again = build_tiny_model(tmp_path / "again", seed=0, corpus=CORPUS, arch="llama")
+    assert _digest(again) == llama
+    with pytest.raises(ValueError, match="unknown tiny architecture 'gpt2'"):
+        build_tiny_model(tmp_path / "x", corpus=CORPUS, arch="gpt2")
+
+
 def test_architecture(tiny):
     model = AutoModelForCausalLM.from_pretrained(tiny)
     cfg = model.config
@@ -67,6 +95,38 @@ def test_architecture(tiny):
     assert (tiny / "model.safetensors").is_file()
     ids = torch.tensor([[3, 10, 11, 12]])
     assert model(input_ids=ids).logits.shape == (1, 4, cfg.vocab_size)
+
+
+@torch.no_grad()
+def test_llama_architecture_loads_and_generates(tiny_llama, tiny):
+    """'tiny-llama': the tiny model's size and tokenizer in Llama's layout (bias-free attention,
+    an untied LM head, Llama 3 rope scaling); greedy generation with the KV cache picks what a
+    full forward over the result ranks first."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    cfg = model.config
+    assert (cfg.model_type, cfg.head_dim, cfg.hidden_size, cfg.num_hidden_layers) == (
+        "llama",
+        64,
+        256,
+        2,
+    )
+    assert not cfg.tie_word_embeddings and not cfg.attention_bias
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert cfg.rope_parameters["rope_type"] == "llama3" and model.dtype == torch.float32
+    assert _digest(tiny_llama)["tokenizer.json"] == _digest(tiny)["tokenizer.json"]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=False,
+    )
+    out = model.generate(
+        prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id
+    )
+    assert out.shape == (1, prompt.shape[1] + 8)
+    ranked_first = model(out).logits[0, prompt.shape[1] - 1 : -1].argmax(-1)
+    assert ranked_first.tolist() == out[0, prompt.shape[1] :].tolist()
 
 
 def test_tokenizer_special_tokens_and_chat_template(tiny):
