@@ -63,12 +63,20 @@ def parse_rlvr(argv: list[str]) -> argparse.Namespace:
         pytest.fail(f"rlvr rejects {shlex.join(argv)} (exit {err.code})")
 
 
-def check_rlvr(argv: list[str]) -> None:
-    """Parse; a training line also loads, validates and prepares its config as the CLI would."""
+def check_rlvr(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parse; a training line also loads, validates and prepares its config as the CLI would, up
+    to the SFT warm-up: that trains for a minute on the tiny presets (tests/models/test_sft.py
+    covers it), and only its arguments are checked here."""
+    import workflows.train
     from workflows.train import prepare_training
+
+    def warmup_arguments_only(model_dir, problems, out_dir, *, steps, **kwargs):
+        assert model_dir.is_dir() and problems and steps > 0
+        return model_dir
 
     args = parse_rlvr(argv)
     if args.command in ("train", "demo") and not getattr(args, "resume", None):
+        monkeypatch.setattr(workflows.train, "sft_warmup", warmup_arguments_only)
         prepare_training(load_config(args.config or DEMO_CONFIG, args.set))
     elif args.command in ("filter", "rubrics"):
         load_config(args.config, args.set)
@@ -133,7 +141,7 @@ def check(words: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Dispatch one README command to the check of its program."""
     name, args = program(words)
     if name == "rlvr":
-        check_rlvr(args)
+        check_rlvr(args, monkeypatch)
     elif name == "ray":
         check_ray(args, monkeypatch)
     elif name == "make":
