@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import sys
 import traceback
 from collections.abc import Callable
@@ -48,7 +49,7 @@ def _entry(value: Any) -> Scored | None:
     reward, status = (
         value if isinstance(value, (tuple, list)) and len(value) == 2 else (value, None)
     )
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):  # numpy's too
         return None
     if not math.isfinite(reward) or not (status is None or isinstance(status, str)):
         return None
@@ -57,11 +58,13 @@ def _entry(value: Any) -> Scored | None:
 
 
 def check_rewards(name: str, returned: Any, n: int) -> list[Scored]:
-    """A function's return for `n` items as (reward, status) pairs; what is wrong with it is logged
+    """A function's return for `n` items (a list, tuple or array) as (reward, status) pairs; what is wrong with it is logged
     naming the function `name` and scores (0.0, "error"): all items for a wrong length or type,
     one item for a bad entry."""
+    if hasattr(returned, "tolist"):  # a numpy array
+        returned = returned.tolist()
     if not isinstance(returned, (list, tuple)):
-        wrong = f"a {type(returned).__name__}, not a list,"
+        wrong = f"a {type(returned).__name__!r} object, not a list,"
     elif len(returned) != n:
         wrong = f"a list of {len(returned)}"
     else:

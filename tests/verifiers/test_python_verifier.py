@@ -1,11 +1,12 @@
 """verifier.kind python: a user's reward function in worker processes, per batch, under the hard
 timeout; whatever it does wrong scores the items it touched as errors or timeouts, never raises."""
 
+import numpy as np
 import psutil
 import pytest
 
 from rlvr.verifiers.factory import make_verifier
-from rlvr.verifiers.python import PythonVerifier
+from rlvr.verifiers.python import PythonVerifier, check_rewards
 
 FNS = "tests.verifiers.reward_fns"
 
@@ -60,6 +61,18 @@ def test_a_raising_function_scores_errors_and_is_logged(plugin, capfd):
 def test_a_wrong_length_is_an_error_for_every_item(plugin, capfd):
     assert plugin("short").verify_batch(["a", "b", "c", "d"], ["1"] * 4) == [(0.0, "error")] * 4
     assert f"reward function {FNS}:short returned a list of 1 for 2 items" in capfd.readouterr().err
+    assert check_rewards("f", 3, 1) == [(0.0, "error")]
+    assert "reward function f returned a 'int' object, not a list, for 1 items" in (
+        capfd.readouterr().err
+    )
+
+
+def test_numpy_returns_are_numbers():
+    assert check_rewards("f", np.array([0.5, 1.0]), 2) == [(0.5, "wrong"), (1.0, "correct")]
+    assert check_rewards("f", [np.float32(0.5), (np.int64(2), "x")], 2) == [
+        (0.5, "wrong"),
+        (2.0, "x"),
+    ]
 
 
 def test_a_bad_entry_is_an_error_for_its_item(capfd):
