@@ -7,8 +7,8 @@ any other. The pool adds a second, outer deadline: an actor that dies or stops a
 replaced and its items are scored again, each alone, on the live actors. Scoring is a pure
 function of the item (a plug-in must be one too), so a verifier crash changes nothing in the
 result; only an item that takes its actor down on every run (1 + MAX_RERUNS) ends with the pool's
-failure status, VERIFIER_FAILED, which the step loop counts and
-caps (`verifier.max_uncomputed_share`).
+failure status, VERIFIER_FAILED, which the step loop counts and caps
+(`verifier.max_uncomputed_share`).
 """
 
 from __future__ import annotations
