@@ -613,7 +613,8 @@ class VerifierConfig(Section):
     )
     rewards: list[RewardConfig] = Field(
         default_factory=list,
-        description="Several rewards with weights instead of one kind, e.g. [{kind: math, weight: "
+        description="Several rewards with weights instead of one kind (which then stays math, "
+        "unused), e.g. [{kind: math, weight: "
         "1.0}, {kind: python, function: 'rlvr.verifiers.rewards:boxed_format', weight: 0.2}]: "
         "the reward is the weighted sum, the status the first entry's, and each entry's mean is "
         "logged as reward/<name>_mean.",
@@ -632,7 +633,8 @@ class VerifierConfig(Section):
     @model_validator(mode="after")
     def _check_rewards(self) -> VerifierConfig:
         if self.rewards:
-            if "kind" in self.model_fields_set or self.function is not None:
+            # kind keeps its default: a saved config (the run's, on --resume) holds it too
+            if self.kind != "math" or self.function is not None:
                 raise ValueError(
                     "verifier.rewards: set either verifier.rewards or verifier.kind (and "
                     "verifier.function), not both"

@@ -390,6 +390,7 @@ def test_reward_plugins_and_weighted_rewards_validate():
     cfg = load_config(None, ["verifier.kind=python", f"verifier.function={BOXED}"])
     assert cfg.verifier.verifier_kwargs() == {"kind": "python", "function": BOXED, "rewards": []}
     cfg = load_config(None, [TWO_REWARDS])
+    assert config_from_dict(cfg.to_dict()) == cfg  # the saved config a resume reloads
     assert cfg.verifier.kinds() == {"math", "python"}
     assert [(r["kind"], r["weight"]) for r in cfg.verifier.verifier_kwargs()["rewards"]] == [
         ("math", 1.0),
@@ -429,7 +430,8 @@ def test_reward_plugins_and_weighted_rewards_validate():
         (["verifier.rewards=[{kind: math, weight: .nan}]"], "verifier.rewards.0.weight: must be"),
         (["verifier.rewards=[{kind: math}, {kind: math}]"], "verifier.rewards.1.name: 'math'"),
         (["verifier.rewards=[{kind: maths}]"], "verifier.rewards.0.kind"),
-        ([TWO_REWARDS, "verifier.kind=math"], "verifier.rewards: set either"),
+        ([TWO_REWARDS, "verifier.kind=code"], "verifier.rewards: set either"),
+        ([TWO_REWARDS, f"verifier.function={BOXED}"], "verifier.rewards: set either"),
         (
             ["task.name=code", TWO_REWARDS],
             "verifier.kind: task 'code' has assert tests for golds",
