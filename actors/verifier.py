@@ -1,19 +1,22 @@
 """VerifierActor and the pool that spreads scoring across N of them.
 
 Each actor owns a verifier of the configured kind (math: a math-verify subprocess pool; code: a
-sandbox per item) that enforces the per-item timeout: an item too slow to score scores
-(0.0, "timeout"), a verdict like any other. The pool adds a second, outer
-deadline: an actor that dies or stops answering is replaced and its items are scored again, each
-alone, on the live actors. Scoring is a pure function of (response, gold), so a verifier crash
-changes nothing in the result; only an item that takes its actor down on every run (1 +
-MAX_RERUNS) ends with the pool's failure status, VERIFIER_FAILED, which the step loop counts and
-caps (`verifier.max_uncomputed_share`).
+sandbox per item; python: a reward plug-in in worker processes; or several with weights) that
+enforces the per-item timeout: an item too slow to score scores (0.0, "timeout"), a verdict like
+any other. The pool adds a second, outer deadline: an actor that dies or stops answering is
+replaced and its items are scored again, each alone, on the live actors. Scoring is a pure
+function of the item (a plug-in must be one too), so a verifier crash changes nothing in the
+result; only an item that takes its actor down on every run (1 + MAX_RERUNS) ends with the pool's
+failure status, VERIFIER_FAILED, which the step loop counts and caps
+(`verifier.max_uncomputed_share`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -23,7 +26,9 @@ from rlvr.verifiers.factory import make_verifier
 
 log = logging.getLogger(__name__)
 
-FAILED = (0.0, VERIFIER_FAILED)
+Scored = tuple[float, str] | tuple[float, str, dict[str, float]]
+"""An item's (reward, status), and with `verifier.rewards` each component's reward by name."""
+FAILED: Scored = (0.0, VERIFIER_FAILED)
 MAX_RERUNS = 2
 """How many times an item is run again after its actor died or hung. A crash that has nothing to
 do with the item (a lost node, the OOM killer) costs it one re-run; the second allows for the
@@ -34,15 +39,29 @@ DEADLINE_SLACK_S = 30.0
 
 
 class VerifierActor:
-    """Scores (response, gold) pairs with a verifier of `kind` ("math" or "code") in this actor's
+    """Scores responses against their golds (and prompts and metadata, which plug-ins read) with
+    the verifier `make_verifier(kind, num_workers, timeout_s, function, rewards)` in this actor's
     own worker processes."""
 
-    def __init__(self, timeout_s: float, num_workers: int = 1, kind: str = "math"):
-        self.verifier = make_verifier(kind, num_workers=num_workers, timeout=timeout_s)
+    def __init__(
+        self,
+        timeout_s: float,
+        num_workers: int = 1,
+        kind: str = "math",
+        function: str | None = None,
+        rewards: Sequence[Mapping[str, Any]] = (),
+    ):
+        self.verifier = make_verifier(kind, num_workers, timeout_s, function, rewards)
         self.verifier.wait_ready()
 
-    def score(self, responses: list[str], golds: list[str]) -> list[tuple[float, str]]:
-        return self.verifier.verify_batch(responses, golds)
+    def score(
+        self,
+        responses: list[str],
+        golds: list[str],
+        prompts: list[str] | None = None,
+        metadata: list[dict] | None = None,
+    ) -> list[Scored]:
+        return self.verifier.verify_batch(responses, golds, prompts=prompts, metadata=metadata)
 
     def ping(self) -> bool:
         return True
@@ -62,9 +81,13 @@ class VerifierPool:
         workers_per_actor: int = 1,
         cpus_per_actor: float = 0.0,
         kind: str = "math",
+        function: str | None = None,
+        rewards: Sequence[Mapping[str, Any]] = (),
     ):
         self.size = size
         self.kind = kind
+        self.function = function
+        self.rewards = [dict(r) for r in rewards]
         self.timeout_s = timeout_s
         self.workers_per_actor = workers_per_actor
         self.cpus_per_actor = cpus_per_actor
@@ -75,7 +98,7 @@ class VerifierPool:
         return (
             ray.remote(self.actor_class)
             .options(num_cpus=self.cpus_per_actor, max_restarts=0)
-            .remote(self.timeout_s, self.workers_per_actor, self.kind)
+            .remote(self.timeout_s, self.workers_per_actor, self.kind, self.function, self.rewards)
         )
 
     def _replace(self, index: int) -> None:
@@ -83,23 +106,32 @@ class VerifierPool:
         self.actors[index] = self._spawn()
         self.replaced += 1
 
-    def score(self, responses: list[str], golds: list[str]) -> list[tuple[float, str]]:
+    def score(
+        self,
+        responses: list[str],
+        golds: list[str],
+        prompts: list[str] | None = None,
+        metadata: list[dict] | None = None,
+    ) -> list[Scored]:
         """Rewards and statuses in input order, as an uninterrupted pool gives them: the items of
         an actor that dies or misses the deadline are run again, each alone, up to MAX_RERUNS
-        times; an item that fails every run gets (0.0, 'verifier_failed')."""
-        if len(responses) != len(golds):
-            raise ValueError("responses and golds differ in length")
+        times; an item that fails every run gets (0.0, 'verifier_failed'). `prompts` and
+        `metadata` (one dict per item) reach plug-ins; without them they see "" and {}."""
         n = len(responses)
-        out: list[tuple[float, str]] = [FAILED] * n  # what an item never scored keeps
-        failed = self._run(
-            [list(range(a, n, self.size)) for a in range(self.size)], responses, golds, out
-        )
+        items = {
+            "responses": responses,
+            "golds": golds,
+            "prompts": [""] * n if prompts is None else prompts,
+            "metadata": [{} for _ in range(n)] if metadata is None else metadata,
+        }
+        if any(len(v) != n for v in items.values()):
+            raise ValueError("responses, golds, prompts and metadata differ in length")
+        out: list[Scored] = [FAILED] * n  # what an item never scored keeps
+        failed = self._run([list(range(a, n, self.size)) for a in range(self.size)], items, out)
         for _ in range(MAX_RERUNS):
             # One item per actor at a time: an actor's death is then the fault of its one item.
             waves = [failed[k : k + self.size] for k in range(0, len(failed), self.size)]
-            failed = [
-                i for wave in waves for i in self._run([[i] for i in wave], responses, golds, out)
-            ]
+            failed = [i for wave in waves for i in self._run([[i] for i in wave], items, out)]
         if failed:
             log.warning(
                 "verifier: %d items failed %d runs each; they score %s",
@@ -110,16 +142,12 @@ class VerifierPool:
         return out
 
     def _run(
-        self,
-        chunks: list[list[int]],
-        responses: list[str],
-        golds: list[str],
-        out: list[tuple[float, str]],
+        self, chunks: list[list[int]], items: dict[str, list[Any]], out: list[Scored]
     ) -> list[int]:
         """Score chunk a of item indices on actor a into `out`; returns the items of the chunks
         whose actor died or missed the deadline (each such actor is replaced)."""
         refs = {
-            a: self.actors[a].score.remote([responses[i] for i in idx], [golds[i] for i in idx])
+            a: self.actors[a].score.remote(*([v[i] for i in idx] for v in items.values()))
             for a, idx in enumerate(chunks)
             if idx
         }
@@ -142,7 +170,7 @@ class VerifierPool:
                 failed += chunks[a]
                 continue
             for i, r in zip(chunks[a], results, strict=True):
-                out[i] = (float(r[0]), str(r[1]))
+                out[i] = (float(r[0]), str(r[1]), *r[2:])
         return failed
 
     def shutdown(self) -> None:

@@ -7,6 +7,7 @@ an unknown key, a wrong type or an impossible value fails at load with the dotte
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -18,6 +19,8 @@ from rlvr.algorithms import dro, duet, laconic
 from rlvr.generation.base import SamplingParams
 from rlvr.run.placement import GroupPlan, merge_bundles, plan_placement
 from rlvr.tasks.prompts import PROMPT_SLOT
+from rlvr.verifiers.python import check_function
+from rlvr.verifiers.weighted import reward_name
 
 if TYPE_CHECKING:
     from rlvr.serving.config import ServeConfig
@@ -587,12 +590,45 @@ class AlgorithmConfig(Section):
         return self
 
 
+class RewardConfig(Section):
+    kind: Literal["math", "code", "python"] = Field(
+        description="The component's verifier: 'math', 'code' or 'python' (a plug-in)."
+    )
+    weight: float = Field(1.0, description="Its weight in the step's reward (a weighted sum).")
+    function: str | None = Field(
+        None, description="The plug-in's 'package.module:fn' (kind 'python' only)."
+    )
+    name: str | None = Field(
+        None,
+        description="Its name in the metrics (reward/<name>_mean); default: the function's name "
+        "(python), else the kind.",
+    )
+
+
 class VerifierConfig(Section):
-    kind: Literal["math", "code"] = Field(
+    kind: Literal["math", "code", "python"] = Field(
         "math",
         description="Reward function: 'math' compares the final answer with math-verify; 'code' "
         "runs the response's last ```python block against the tests in the gold (JSON: "
-        '{"asserts": [...]} or {"io": [{"input", "output"}]}) in a sandbox.',
+        '{"asserts": [...]} or {"io": [{"input", "output"}]}) in a sandbox; \'python\' calls '
+        "verifier.function, a plug-in fn(prompts, responses, golds, metadata) returning a reward "
+        "or a (reward, status) pair per response, a batch per call within timeout_s (shipped "
+        "examples: rlvr.verifiers.rewards:boxed_format, 1.0 when the response ends with a "
+        "\\boxed{} answer; rlvr.verifiers.rewards:keyword_coverage, the share of the problem's "
+        "metadata keywords it mentions).",
+    )
+    function: str | None = Field(
+        None,
+        description="The reward plug-in of kind 'python', 'package.module:fn' (importable where "
+        "the run starts and in its verifier actors).",
+    )
+    rewards: list[RewardConfig] = Field(
+        default_factory=list,
+        description="Several rewards with weights instead of one kind (which then stays math, "
+        "unused), e.g. [{kind: math, weight: "
+        "1.0}, {kind: python, function: 'rlvr.verifiers.rewards:boxed_format', weight: 0.2}]: "
+        "the reward is the weighted sum, the status the first entry's, and each entry's mean is "
+        "logged as reward/<name>_mean.",
     )
     num_workers: int = Field(1, gt=0, description="Verifier worker processes per VerifierActor.")
     timeout_s: float = Field(5.0, gt=0.0, description="Hard per-item verification timeout.")
@@ -604,6 +640,55 @@ class VerifierConfig(Section):
         "'verifier_failed': their actor died on every re-run); past it the step fails before its "
         "update. 0 tolerates none, 1 never fails.",
     )
+
+    @model_validator(mode="after")
+    def _check_rewards(self) -> VerifierConfig:
+        if self.rewards:
+            # kind keeps its default: a saved config (the run's, on --resume) holds it too
+            if self.kind != "math" or self.function is not None:
+                raise ValueError(
+                    "verifier.rewards: set either verifier.rewards or verifier.kind (and "
+                    "verifier.function), not both"
+                )
+            names: set[str] = set()
+            for i, r in enumerate(self.rewards):
+                key = f"verifier.rewards.{i}"
+                if not math.isfinite(r.weight):
+                    raise ValueError(f"{key}.weight: must be a finite number, got {r.weight}")
+                _check_function(r.kind, r.function, f"{key}.function")
+                name = reward_name(r.kind, r.function, r.name)
+                if name in names:
+                    raise ValueError(f"{key}.name: {name!r} names an earlier entry too; name each")
+                names.add(name)
+        else:
+            _check_function(self.kind, self.function, "verifier.function")
+        return self
+
+    def kinds(self) -> set[str]:
+        """The verifier kinds the run scores with (one, or those of `rewards`)."""
+        return {r.kind for r in self.rewards} if self.rewards else {self.kind}
+
+    def verifier_kwargs(self) -> dict[str, Any]:
+        """`make_verifier`'s kind, function and rewards (plain data, for the actors)."""
+        return {
+            "kind": self.kind,
+            "function": self.function,
+            "rewards": [r.model_dump() for r in self.rewards],
+        }
+
+
+def _check_function(kind: str, function: str | None, key: str) -> None:
+    """A python reward needs an importable `function`; the other kinds take none."""
+    if kind != "python":
+        if function is not None:
+            raise ValueError(f"{key}: only kind 'python' takes a function (this is {kind!r})")
+        return
+    if not function:
+        raise ValueError(f"{key}: kind 'python' needs a function, 'package.module:fn'")
+    try:
+        check_function(function)
+    except ValueError as err:
+        raise ValueError(f"{key}: {err}") from None
 
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -865,7 +950,7 @@ class Config(Section):
                 "generation.temperature must be > 0: rollouts are sampled, and the trainer's "
                 "log-probs are those of softmax(logits / temperature)"
             )
-        if self.task.name == "code" and self.verifier.kind != "code":
+        if self.task.name == "code" and "code" not in self.verifier.kinds():
             raise ValueError(
                 "verifier.kind: task 'code' has assert tests for golds; set verifier.kind: code"
             )

@@ -383,3 +383,66 @@ def test_a_gsm8k_file_passes_the_training_config_path_without_ray(tmp_path, monk
                 None, ["task.name=file", f"task.train_path={chat}", "task.chat_template=false"]
             )
         )
+
+
+BOXED = "rlvr.verifiers.rewards:boxed_format"
+TWO_REWARDS = (
+    f"verifier.rewards=[{{kind: math}}, {{kind: python, function: '{BOXED}', weight: 0.2}}]"
+)
+
+
+def test_reward_plugins_and_weighted_rewards_validate():
+    cfg = load_config(None, ["verifier.kind=python", f"verifier.function={BOXED}"])
+    assert cfg.verifier.verifier_kwargs() == {"kind": "python", "function": BOXED, "rewards": []}
+    cfg = load_config(None, [TWO_REWARDS])
+    assert config_from_dict(cfg.to_dict()) == cfg  # the saved config a resume reloads
+    assert cfg.verifier.kinds() == {"math", "python"}
+    assert [(r["kind"], r["weight"]) for r in cfg.verifier.verifier_kwargs()["rewards"]] == [
+        ("math", 1.0),
+        ("python", 0.2),
+    ]
+    # the default, kind alone, is unchanged
+    assert load_config().verifier.verifier_kwargs() == {
+        "kind": "math",
+        "function": None,
+        "rewards": [],
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["verifier.kind=python"], "verifier.function: kind 'python' needs a function"),
+        (
+            ["verifier.kind=python", "verifier.function=no_such_package.rewards:fn"],
+            "verifier.function: cannot import 'no_such_package.rewards:fn': ModuleNotFoundError",
+        ),
+        (
+            ["verifier.kind=python", "verifier.function=rlvr.verifiers.rewards:nope"],
+            "verifier.function: cannot import .*AttributeError",
+        ),
+        (
+            ["verifier.kind=python", "verifier.function=rlvr.verifiers.rewards"],
+            "verifier.function: cannot import .*not of the form 'package.module:name'",
+        ),
+        (
+            ["verifier.kind=python", "verifier.function=rlvr.verifiers.rewards:BOXED_AT_END"],
+            "verifier.function: .* is not callable",
+        ),
+        ([f"verifier.function={BOXED}"], "verifier.function: only kind 'python' takes"),
+        (["verifier.rewards=[{kind: math}, {kind: python}]"], "verifier.rewards.1.function"),
+        (["verifier.rewards=[{kind: math}, {kind: code, weight: x}]"], "verifier.rewards.1.weight"),
+        (["verifier.rewards=[{kind: math, weight: .nan}]"], "verifier.rewards.0.weight: must be"),
+        (["verifier.rewards=[{kind: math}, {kind: math}]"], "verifier.rewards.1.name: 'math'"),
+        (["verifier.rewards=[{kind: maths}]"], "verifier.rewards.0.kind"),
+        ([TWO_REWARDS, "verifier.kind=code"], "verifier.rewards: set either"),
+        ([TWO_REWARDS, f"verifier.function={BOXED}"], "verifier.rewards: set either"),
+        (
+            ["task.name=code", TWO_REWARDS],
+            "verifier.kind: task 'code' has assert tests for golds",
+        ),
+    ],
+)
+def test_bad_reward_settings_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=f"invalid config: {message}"):
+        load_config(None, overrides)

@@ -2,7 +2,13 @@
 
 import pytest
 
-from rlvr.run.metrics import UncomputedRewards, group_stats, rollout_stats, uncomputed_stats
+from rlvr.run.metrics import (
+    UncomputedRewards,
+    group_stats,
+    reward_part_stats,
+    rollout_stats,
+    uncomputed_stats,
+)
 
 
 def test_rollout_stats_by_hand():
@@ -48,3 +54,12 @@ def test_uncomputed_rewards_are_counted_and_capped():
     with pytest.raises(UncomputedRewards, match=r"max_uncomputed_share=0\)"):
         uncomputed_stats(statuses, 0.0, "step 3")
     assert uncomputed_stats(["verifier_failed"], 1.0, "step 3")["reward_uncomputed_frac"] == 1.0
+
+
+def test_each_weighted_reward_is_averaged_over_the_rollouts_it_scored():
+    parts = [{"math": 1.0, "format": 1.0}, {"math": 0.0, "format": 0.5}, {}]  # {}: uncomputed
+    assert reward_part_stats(parts) == {
+        "reward/math_mean": pytest.approx(0.5),
+        "reward/format_mean": pytest.approx(0.75),
+    }
+    assert reward_part_stats([]) == {}

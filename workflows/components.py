@@ -208,7 +208,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
             verifier=VerifierActor(
                 cfg.verifier.timeout_s,
                 num_workers=cfg.verifier.num_workers,
-                kind=cfg.verifier.kind,
+                **cfg.verifier.verifier_kwargs(),
             ),
             controller=ControllerClient(
                 Worker(
@@ -301,7 +301,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         cfg.verifier.timeout_s,
         workers_per_actor=cfg.verifier.num_workers,
         cpus_per_actor=r.verifier_cpus,
-        kind=cfg.verifier.kind,
+        **cfg.verifier.verifier_kwargs(),
     )
 
     def cleanup() -> None:

@@ -75,11 +75,11 @@ def evaluate(
     chat_template: bool,
     backend: str,
     backend_kwargs: dict[str, Any],
-    verifier_kind: str = "math",
+    verifier: dict[str, Any] | None = None,
     verifier_timeout_s: float = 5.0,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(summary, per-item records) of `model_dir` on `problems`, scored by the `verifier_kind`
-    verifier (`rlvr.verifiers.factory`)."""
+    """(summary, per-item records) of `model_dir` on `problems`, scored by the verifier that
+    `make_verifier(**verifier)` builds (kind, function, rewards; default math)."""
     engine = make_backend(backend, model_dir, **backend_kwargs)
     try:
         prompts = [render_prompt(engine.tokenizer, p, instruction, chat_template) for p in problems]
@@ -93,12 +93,14 @@ def evaluate(
         engine.close()
     texts = [s.text for r in results for s in r.samples]
     golds = [p.answer for p in problems for _ in range(sampling.n)]
-    with make_verifier(verifier_kind, timeout=verifier_timeout_s) as verifier:
-        verdicts = verifier.verify_batch(texts, golds)
+    prompt_texts = [p.prompt for p in problems for _ in range(sampling.n)]
+    metadata = [dict(p.metadata) for p in problems for _ in range(sampling.n)]
+    with make_verifier(**(verifier or {}), timeout=verifier_timeout_s) as scorer:
+        verdicts = scorer.verify_batch(texts, golds, prompts=prompt_texts, metadata=metadata)
     items, correct, lengths, cut = [], [], [], []
     for i, (problem, result) in enumerate(zip(problems, results, strict=True)):
         mine = verdicts[i * sampling.n : (i + 1) * sampling.n]
-        correct.append([reward >= 1.0 for reward, _ in mine])
+        correct.append([v[0] >= 1.0 for v in mine])
         lengths.append([len(s.token_ids) for s in result.samples])
         cut.append([s.finish_reason == "length" for s in result.samples])
         items.append(
@@ -114,7 +116,7 @@ def evaluate(
                         "length": len(s.token_ids),
                         "finish_reason": s.finish_reason,
                     }
-                    for s, (_, status) in zip(result.samples, mine, strict=True)
+                    for s, (_, status, *_) in zip(result.samples, mine, strict=True)
                 ],
             }
         )
@@ -198,7 +200,7 @@ def run_evaluate(
         chat_template=chat_template,
         backend=backend,
         backend_kwargs=kwargs,
-        verifier_kind=cfg.verifier.kind,
+        verifier=cfg.verifier.verifier_kwargs(),
         verifier_timeout_s=cfg.verifier.timeout_s,
     )
     summary |= {

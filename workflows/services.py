@@ -106,6 +106,7 @@ class RunServices:
     """The run's prompt sampler (which step ends a pass over the prompts)."""
     _reference: ReferenceClient | None = None
     _prompt_cache: dict[str, list[int]] = field(default_factory=dict)
+    _problems: dict[str, Problem] = field(default_factory=dict)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         """The problem's prompt ids as every pass renders them (task.instruction, chat_template)."""
@@ -147,12 +148,27 @@ class RunServices:
         return Rollouts.from_results(results, {p.id: p.answer for p in problems})
 
     def verify(self, rollouts: Rollouts) -> None:
-        scored = self.verify_texts(rollouts.texts, rollouts.golds)
-        rollouts.rewards = np.array([r for r, _ in scored], dtype=np.float64)
-        rollouts.statuses = [s for _, s in scored]
+        context = {}
+        if "python" in self.cfg.verifier.kinds():  # plug-ins read the problem; the others do not
+            problems = [self._problem(g) for g in rollouts.group_ids]
+            context = {
+                "prompts": [p.prompt if p else "" for p in problems],
+                "metadata": [dict(p.metadata) if p else {} for p in problems],
+            }
+        scored = self.comps.verifier.score(rollouts.texts, rollouts.golds, **context)
+        rollouts.rewards = np.array([s[0] for s in scored], dtype=np.float64)
+        rollouts.statuses = [s[1] for s in scored]
+        if self.cfg.verifier.rewards:
+            rollouts.reward_parts = [s[2] if len(s) > 2 else {} for s in scored]
+
+    def _problem(self, problem_id: str) -> Problem | None:
+        """The train or test problem of that id (None for a text scored without one)."""
+        if not self._problems:
+            self._problems = {p.id: p for p in (*self.train_problems, *self.test_problems)}
+        return self._problems.get(problem_id)
 
     def verify_texts(self, texts: list[str], golds: list[str]) -> list[tuple[float, str]]:
-        return self.comps.verifier.score(texts, golds)
+        return [(s[0], s[1]) for s in self.comps.verifier.score(texts, golds)]
 
     def score_logprobs(
         self, scorer: str, sequences: list[list[int]], positions: list[list[int]]

@@ -35,7 +35,7 @@ from rlvr.models import cache_dir, resolve_model_path
 from rlvr.models.sft import sft_warmup
 from rlvr.run.files import atomic_write_text
 from rlvr.run.loggers import Loggers, check_loggers, open_loggers
-from rlvr.run.metrics import group_stats, rollout_stats, uncomputed_stats
+from rlvr.run.metrics import group_stats, reward_part_stats, rollout_stats, uncomputed_stats
 from rlvr.run.rundir import RunDir
 from rlvr.tasks import load_task
 from rlvr.tasks.base import Problem
@@ -123,6 +123,7 @@ class Trainer:
             "eval_problems": len(self.test_problems),
             "eval_samples": g.eval_samples,
             **{f"eval_{k}": v for k, v in uncomputed.items()},
+            **{f"eval_{k}": v for k, v in reward_part_stats(rollouts.reward_parts).items()},
         }
         record.update(self.method.evaluate(self.services, self.test_problems, params, step))
         record["eval_seconds"] = time.perf_counter() - t0
@@ -172,6 +173,7 @@ class Trainer:
         metrics: dict[str, Any] = {"step": step, "epoch": self.sampler.epoch_of(step)}
         rollouts = got.rollouts
         metrics.update(rollout_stats(rollouts.rewards, rollouts.lengths, rollouts.finish_reasons))
+        metrics.update(reward_part_stats(rollouts.reward_parts))
         metrics.update(group_stats(rollouts.rewards, rollouts.group_ids))
         metrics.update(uncomputed)
         metrics.update(shape_stats)

@@ -72,7 +72,8 @@ class StepServices(Protocol):
         """n[id] responses per problem (`first_index`: step-wide index of the first problem)."""
 
     def verify(self, rollouts: Rollouts) -> None:
-        """Fill `rollouts.rewards` and `statuses` from the verifier pool."""
+        """Fill `rollouts.rewards` and `statuses` (and, with several weighted rewards,
+        `reward_parts`) from the verifier pool."""
 
     def verify_texts(self, texts: list[str], golds: list[str]) -> list[tuple[float, str]]:
         """The verifier pool's (reward, status) per response."""

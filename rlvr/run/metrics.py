@@ -1,5 +1,5 @@
-"""Per-step rollout statistics: reward, accuracy, response lengths, truncation, and the rewards the
-verifier could not compute; unbiased pass@k.
+"""Per-step rollout statistics: reward (and each weighted component's), accuracy, response lengths,
+truncation, and the rewards the verifier could not compute; unbiased pass@k.
 
 Pure functions over plain lists so the driver, the bench and the tests compute them identically.
 """
@@ -7,7 +7,7 @@ Pure functions over plain lists so the driver, the bench and the tests compute t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -58,6 +58,17 @@ def rollout_stats(
         "tokens_generated": int(n.sum()),
         "truncated_frac": float(np.mean([f == "length" for f in finish_reasons])),
     }
+
+
+def reward_part_stats(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """With several weighted rewards (`verifier.rewards`), each component's mean reward,
+    `reward/<name>_mean`, over the rollouts the verifier scored ({} entries, uncomputed, left out).
+    """
+    values: dict[str, list[float]] = {}
+    for item in parts:
+        for name, reward in item.items():
+            values.setdefault(name, []).append(reward)
+    return {f"reward/{name}_mean": float(np.mean(v)) for name, v in values.items()}
 
 
 def group_stats(rewards: Sequence[float], group_ids: Sequence[str]) -> dict[str, float]:

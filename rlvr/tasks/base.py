@@ -4,6 +4,7 @@ and a reference."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,3 +24,6 @@ class Problem:
     """A prompt given as chat turns, (role, content) pairs ending in the user's turn, whose text
     is then `prompt`; rendered through the chat template with the instruction in that last turn.
     Empty: `prompt` is the single user turn."""
+    metadata: tuple[tuple[str, Any], ...] = ()
+    """Extra per-problem data, (key, value) pairs in the file's column order (a tuple keeps the
+    frozen problem picklable); reward plug-ins get it as a dict (`dict(problem.metadata)`)."""

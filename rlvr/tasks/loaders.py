@@ -13,7 +13,9 @@ file's columns instead (`{"prompt": "question"}`).
 GSM8K-style answers ("reasoning ... #### 42") and MATH-style answers (a solution ending in
 \\boxed{...}) are recognised: the gold answer is extracted and the reasoning kept as the solution.
 Code tasks put their tests into the answer as the JSON text of `CODE_ANSWER_FORMAT`.
-A prompt may be a list of chat messages; `Problem.messages` keeps it for rendering.
+A prompt may be a list of chat messages; `Problem.messages` keeps it for rendering. A row's other
+columns, and the items of a `metadata` object column, become `Problem.metadata` (for reward
+plug-ins, `verifier.kind: python`).
 Missing ids are derived from the prompt (`derived_id`). Reference-answer data with no verifier
 (fields id, prompt, reference) loads with `load_reference_problems`.
 """
@@ -319,6 +321,31 @@ def _asserts(record: dict, cols: Columns, where: str) -> str:
     return json.dumps(answer)
 
 
+def _metadata(record: dict, cols: Columns, where: str) -> tuple[tuple[str, Any], ...]:
+    """A row's extra data for reward plug-ins: the columns no field of ours reads (missing values
+    left out), then the items of a `metadata` object column, which win over a column's."""
+    used = {
+        cols.prompt,
+        cols.answer,
+        cols.id,
+        cols.solution,
+        cols.reference,
+        cols.tests,
+        cols.setup,
+        cols.entry_point,
+        "metadata",
+    }
+    extra = {k: v for k, v in record.items() if k not in used and not _missing(v)}
+    given = record.get("metadata")
+    if not _missing(given):
+        if not isinstance(given, dict):
+            raise ValueError(
+                f"{where}: field 'metadata' must be an object, got {type(given).__name__}"
+            )
+        extra.update(given)
+    return tuple(extra.items())
+
+
 def _problem_from(record: Any, where: str, cols: Columns, chat_template: bool = True) -> Problem:
     """One record through `cols`; a missing id is left empty for `_load` to derive."""
     if not isinstance(record, dict):
@@ -375,6 +402,7 @@ def _problem_from(record: Any, where: str, cols: Columns, chat_template: bool = 
         answer=answer,
         solution=solution,
         messages=messages,
+        metadata=_metadata(record, cols, where),
     )
 
 

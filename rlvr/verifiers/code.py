@@ -170,9 +170,15 @@ class CodeVerifier:
         return 1.0, "correct"
 
     def verify_batch(
-        self, responses: list[str], golds: list[str], timeout: float | None = None
+        self,
+        responses: list[str],
+        golds: list[str],
+        timeout: float | None = None,
+        prompts: list[str] | None = None,
+        metadata: list[dict] | None = None,
     ) -> list[tuple[float, str]]:
-        """`verify` for each pair, in input order, up to `num_workers` at once."""
+        """`verify` for each pair, in input order, up to `num_workers` at once (`prompts` and
+        `metadata`, which reward plug-ins read, are not used)."""
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
         return list(self._threads.map(partial(self.verify, timeout=timeout), responses, golds))

@@ -1,24 +1,49 @@
-"""Build the verifier a config names: `verifier.kind` "math" (MathVerifier) or "code"
-(CodeVerifier). Both have `verify(response, gold)`, `verify_batch(responses, golds)` returning
-`(reward, status)` pairs, `wait_ready()` and `close()`, with a hard per-item timeout."""
+"""Build the verifier a config names: `verifier.kind` "math" (MathVerifier), "code"
+(CodeVerifier) or "python" (PythonVerifier, a reward plug-in), or `verifier.rewards`, several of
+them with weights (WeightedVerifier). All have `verify_batch(responses, golds, timeout, prompts,
+metadata)`, `wait_ready()` and `close()`, with a hard timeout per item (per call for python)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from rlvr.verifiers.code import CodeVerifier
 from rlvr.verifiers.math import MathVerifier
+from rlvr.verifiers.python import PythonVerifier
+from rlvr.verifiers.weighted import Component, WeightedVerifier, reward_name
 
-VerifierKind = Literal["math", "code"]
-KINDS: tuple[str, ...] = ("math", "code")
+VerifierKind = Literal["math", "code", "python"]
+KINDS: tuple[str, ...] = ("math", "code", "python")
 
 
 def make_verifier(
-    kind: str = "math", num_workers: int = 1, timeout: float = 5.0
-) -> MathVerifier | CodeVerifier:
-    """A verifier of `kind` with `num_workers` parallel workers and a per-item `timeout`."""
+    kind: str = "math",
+    num_workers: int = 1,
+    timeout: float = 5.0,
+    function: str | None = None,
+    rewards: Sequence[Mapping[str, Any]] = (),
+) -> MathVerifier | CodeVerifier | PythonVerifier | WeightedVerifier:
+    """A verifier of `kind` with `num_workers` parallel workers and a per-item `timeout`
+    (`function`: the plug-in of kind python); with `rewards` (dicts with kind, weight and
+    optionally function and name) their weighted sum, and `kind` is not used."""
+    if rewards:
+        return WeightedVerifier(
+            [
+                Component(
+                    reward_name(r["kind"], r.get("function"), r.get("name")),
+                    float(r["weight"]),
+                    make_verifier(r["kind"], num_workers, timeout, r.get("function")),
+                )
+                for r in rewards
+            ]
+        )
     if kind == "math":
         return MathVerifier(num_workers=num_workers, timeout=timeout)
     if kind == "code":
         return CodeVerifier(num_workers=num_workers, timeout=timeout)
+    if kind == "python":
+        if not function:
+            raise ValueError("verifier kind 'python' needs a function ('package.module:fn')")
+        return PythonVerifier(function, num_workers=num_workers, timeout=timeout)
     raise ValueError(f"unknown verifier kind {kind!r}; expected one of {KINDS}")

@@ -29,10 +29,10 @@ KILLER = "this response takes its verifier actor down"
 class KilledByOneInput(VerifierActor):
     """A verifier actor whose process dies whenever its batch holds KILLER."""
 
-    def score(self, responses: list[str], golds: list[str]) -> list[tuple[float, str]]:
+    def score(self, responses: list[str], *rest: list) -> list[tuple[float, str]]:
         if KILLER in responses:
             os._exit(1)
-        return super().score(responses, golds)
+        return super().score(responses, *rest)
 
 
 class KilledByOneInputPool(VerifierPool):
@@ -93,6 +93,36 @@ def test_pathological_input_times_out_not_hangs(ray_cluster):
     try:
         out = pool.score([SLOW, "\\boxed{3}"], ["1", "3"])
         assert out == [(0.0, "timeout"), (1.0, "correct")]
+        assert pool.replaced == 0
+    finally:
+        pool.shutdown()
+
+
+POINTS = "tests.verifiers.reward_fns:points"
+SLEEPS = "tests.verifiers.reward_fns:sleeps"
+
+
+def test_a_reward_plugin_reads_prompts_and_metadata_and_its_items_rerun(ray_cluster):
+    """kind python through the actors: each item's prompt and metadata reach the function; a
+    dead actor's items re-run on the live ones; a call past the timeout scores "timeout"."""
+    pool = KilledByOneInputPool(size=2, timeout_s=2.0, kind="python", function=POINTS)
+    n = 5
+    prompts = [f"p{i}" for i in range(n)]
+    metadata = [{"points": i / 4} for i in range(n)]
+    scored = [(i / 4, f"p{i}") for i in range(n)]
+    try:
+        assert pool.score(["r"] * n, ["g"] * n, prompts, metadata) == scored
+        ray.kill(pool.actors[1], no_restart=True)
+        assert pool.score(["r"] * n, ["g"] * n, prompts, metadata) == scored
+        out = pool.score([KILLER, "r"], ["g", "g"], ["p0", "p1"], metadata[:2])
+        assert out == [(0.0, "verifier_failed"), (0.25, "p1")]
+        assert pool.replaced == 1 + 1 + MAX_RERUNS
+    finally:
+        pool.shutdown()
+    pool = VerifierPool(size=1, timeout_s=1.0, kind="python", function=SLEEPS)
+    try:
+        assert pool.score(["sleep"], ["g"]) == [(0.0, "timeout")]
+        assert pool.score(["a", "b"], ["g", "g"]) == [(1.0, "correct")] * 2
         assert pool.replaced == 0
     finally:
         pool.shutdown()

@@ -9,6 +9,11 @@ import pytest
 
 from workflows.cli import main as cli_main
 
+WEIGHTED_REWARDS = (
+    "verifier.rewards=[{kind: math, weight: 1.0}, "
+    "{kind: python, function: 'rlvr.verifiers.rewards:boxed_format', weight: 0.5}]"
+)
+
 
 def test_run_directory_contents(tiny_run_dir, logger_stores):
     run = tiny_run_dir
@@ -61,8 +66,9 @@ def test_off_policy_run_resumes_exactly(
 ):
     """run.off_policy_steps=1: each later step trains on rollouts collected while the step before
     it trained. Killed once step 0 commits (its checkpoint holds step 1's rollouts), the resumed
-    run ends bit-identical to the uninterrupted one."""
-    extra = ("run.steps=3", "run.off_policy_steps=1")
+    run ends bit-identical to the uninterrupted one. The reward is math's plus half a format
+    plug-in's (verifier.rewards), each logged apart."""
+    extra = ("run.steps=3", "run.off_policy_steps=1", WEIGHTED_REWARDS)
     full = run_cli(tiny_train_args(tmp_path / "a", *extra))
     log, _ = full.communicate(timeout=900)
     assert full.returncode == 0, log[-4000:]
@@ -78,6 +84,9 @@ def test_off_policy_run_resumes_exactly(
         json.loads(x) for x in (tmp_path / "a" / "full" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [m["rollouts_collected_ahead"] for m in a] == [0, 1, 1]
+    for m in a:
+        parts = m["reward/math_mean"] + 0.5 * m["reward/boxed_format_mean"]
+        assert m["reward_mean"] == pytest.approx(parts, abs=1e-12)
     for m in a[1:]:
         # collected during the step before: not part of this step's time
         assert m["time_generate"] > 0 and m["time_wait_ahead"] >= 0

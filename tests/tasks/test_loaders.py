@@ -3,6 +3,7 @@ maps, chat-message prompts, shard and saved-dataset directories; errors naming f
 
 import json
 import logging
+import pickle
 import sys
 import types
 
@@ -587,3 +588,31 @@ def test_gzipped_json_lines_and_json_documents(tmp_path):
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip")
     with pytest.raises(ValueError, match=r"bad\.jsonl\.gz: not a readable gzip file"):
         load_problems(tmp_path / "bad.jsonl.gz")
+
+
+def test_extra_columns_and_a_metadata_object_become_the_problems_metadata(tmp_path):
+    f = _write_jsonl(
+        tmp_path / "meta.jsonl",
+        [
+            {"id": "a", "prompt": "Q", "answer": "1", "level": 3, "metadata": {"keywords": ["x"]}},
+            {"id": "b", "prompt": "Q", "answer": "2", "metadata": {"level": 5}, "level": 4},
+            {"id": "c", "prompt": "Q", "answer": "3", "level": None},
+        ],
+    )
+    problems = load_problems(f)
+    assert [dict(p.metadata) for p in problems] == [
+        {"level": 3, "keywords": ["x"]},
+        {"level": 5},  # the metadata object wins over a column of the same name
+        {},
+    ]
+    # columns a field map reads are not metadata; the rest are
+    (p,) = load_problems(
+        _write_jsonl(tmp_path / "m.jsonl", [{"q": "Q", "gold": "1", "answer": "x", "topic": "t"}]),
+        {"prompt": "q", "answer": "gold"},
+    )
+    assert p.metadata == (("answer", "x"), ("topic", "t"))
+    with pytest.raises(ValueError, match=r"row 1: field 'metadata' must be an object, got str"):
+        load_problems(
+            _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Q", "answer": "1", "metadata": "x"}])
+        )
+    assert pickle.loads(pickle.dumps(problems[0])) == problems[0]

@@ -10,7 +10,8 @@ import psutil
 import pytest
 from math_verify import parse, verify
 
-from rlvr.verifiers.math import MathVerifier, _plain_int_result, _Worker, verify_math
+from rlvr.verifiers.math import MathVerifier, _plain_int_result, verify_math
+from rlvr.verifiers.worker import Worker
 
 TIMEOUT = 1.0  # per-call timeout for the pathological cases
 MARGIN = 3.0  # kill + reap + a loaded CPU; a hang would overshoot by far more
@@ -169,7 +170,7 @@ def test_dead_worker_scores_error_and_is_replaced():
 
 def test_killing_a_dead_worker_with_unflushed_input_closes_its_pipes():
     # A request buffered in stdin when the process died makes close() flush into a broken pipe.
-    worker = _Worker(memory_limit_mb=None)
+    worker = Worker("rlvr.verifiers.math:_handler", "", memory_limit_mb=None)
     worker.proc.kill()
     worker.proc.wait()
     worker.proc.stdin.write(b"[1, 2]\n")

@@ -1,0 +1,208 @@
+"""Reward plug-ins (`verifier.kind: python`): a user function `"package.module:fn"` scores responses.
+
+`fn(prompts, responses, golds, metadata)` gets a batch (lists of equal length; `metadata` holds one
+dict per item, the problem's) and returns one entry per item: a reward (a finite number; status
+"correct" when it is >= 1.0, else "wrong", as `accuracy` counts it) or a `(reward, status)` pair.
+As in TRL's `reward_funcs`, the function sees a batch at a time: `verify_batch` splits its batch
+into one call per worker process (rlvr.verifiers.worker), and `verifier.timeout_s` bounds each
+call as a whole. A call that raises, or returns the wrong number of entries, scores every item of
+it (0.0, "error"); a call past the timeout scores them (0.0, "timeout") and its worker is killed
+and replaced; an entry that is not a finite number (or a pair of one and a str) scores that item
+(0.0, "error"). Each case logs a line naming the function; none stops the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import sys
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+from rlvr.verifiers.worker import WorkerLost, WorkerPool, import_object
+
+__all__ = ["PythonVerifier", "check_function", "check_rewards"]
+
+Scored = tuple[float, str]
+ERROR: Scored = (0.0, "error")
+
+log = logging.getLogger(__name__)
+
+
+def check_function(spec: str) -> Callable[..., Any]:
+    """The callable `spec` ("package.module:fn") names; ValueError saying why it cannot be used."""
+    try:
+        fn = import_object(spec)
+    except Exception as err:
+        raise ValueError(f"cannot import {spec!r}: {type(err).__name__}: {err}") from None
+    if not callable(fn):
+        raise ValueError(f"{spec!r} is not callable")
+    return fn
+
+
+def _entry(value: Any) -> Scored | None:
+    """One returned entry as (reward, status), or None when it is not a valid one."""
+    reward, status = (
+        value if isinstance(value, (tuple, list)) and len(value) == 2 else (value, None)
+    )
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):  # numpy's too
+        return None
+    if not math.isfinite(reward) or not (status is None or isinstance(status, str)):
+        return None
+    reward = float(reward)
+    return reward, status if status is not None else ("correct" if reward >= 1.0 else "wrong")
+
+
+def check_rewards(name: str, returned: Any, n: int) -> list[Scored]:
+    """A function's return for `n` items (a list, tuple or array) as (reward, status) pairs; what is wrong with it is logged
+    naming the function `name` and scores (0.0, "error"): all items for a wrong length or type,
+    one item for a bad entry."""
+    if hasattr(returned, "tolist"):  # a numpy array
+        returned = returned.tolist()
+    if not isinstance(returned, (list, tuple)):
+        wrong = f"a {type(returned).__name__!r} object, not a list,"
+    elif len(returned) != n:
+        wrong = f"a list of {len(returned)}"
+    else:
+        wrong = ""
+    if wrong:
+        _complain(f"reward function {name} returned {wrong} for {n} items; all score {ERROR}")
+        return [ERROR] * n
+    out = []
+    for i, value in enumerate(returned):
+        entry = _entry(value)
+        if entry is None:
+            _complain(
+                f"reward function {name} returned {value!r:.80} for item {i}, not a finite number "
+                f"or a (number, status) pair; it scores {ERROR}"
+            )
+        out.append(entry or ERROR)
+    return out
+
+
+def _complain(line: str) -> None:
+    # The worker's stderr reaches the actor's log (and the terminal of an in-process run).
+    print(line, file=sys.stderr, flush=True)
+
+
+def _handler(spec: str) -> Callable[..., list[Scored]]:
+    """The worker's call (rlvr.verifiers.worker): the user function, guarded and checked."""
+    fn = check_function(spec)
+
+    def score(
+        prompts: list[str], responses: list[str], golds: list[str], metadata: list[dict]
+    ) -> list[Scored]:
+        try:
+            returned = fn(prompts, responses, golds, metadata)
+        except Exception:
+            _complain(f"reward function {spec} raised:\n{traceback.format_exc()}")
+            return [ERROR] * len(responses)
+        return check_rewards(spec, returned, len(responses))
+
+    return score
+
+
+class PythonVerifier:
+    """Scores batches with the reward function `function` in `num_workers` worker processes, each
+    call within `timeout` seconds; MathVerifier's interface (`verify_batch`, `wait_ready`,
+    `close`, context manager), so the VerifierActor pool runs it alike."""
+
+    def __init__(
+        self,
+        function: str,
+        num_workers: int = 1,
+        timeout: float = 5.0,
+        memory_limit_mb: int | None = 4096,
+    ):
+        if num_workers < 1 or timeout <= 0:
+            raise ValueError("num_workers must be >= 1 and timeout > 0")
+        self.function = function
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self._workers = WorkerPool(
+            "rlvr.verifiers.python:_handler",
+            function,
+            num_workers=num_workers,
+            memory_limit_mb=memory_limit_mb,
+            name=f"reward function {function}",
+        )
+        self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="python-verify")
+
+    def wait_ready(self) -> None:
+        """Block until every worker has imported the function (raises if one cannot)."""
+        self._workers.wait_ready()
+
+    def _call(self, args: list[list[Any]], timeout: float) -> list[Scored]:
+        n = len(args[0])
+        try:
+            result = self._workers.call(args, timeout)
+        except WorkerLost as lost:
+            status = "timeout" if lost.timed_out else "error"
+            log.warning(
+                "reward function %s: %s on a call of %d items (timeout %gs); they score %s",
+                self.function,
+                lost,
+                n,
+                timeout,
+                (0.0, status),
+            )
+            return [(0.0, status)] * n
+        if result is None:  # the result could not be sent back (not JSON)
+            return [ERROR] * n
+        return [(float(r), str(s)) for r, s in result]
+
+    def verify_batch(
+        self,
+        responses: list[str],
+        golds: list[str],
+        timeout: float | None = None,
+        prompts: list[str] | None = None,
+        metadata: list[dict] | None = None,
+    ) -> list[Scored]:
+        """(reward, status) per item in input order: one call per worker on a contiguous share of
+        the batch, each within `timeout` (default: the verifier's). Missing prompts are "", missing
+        metadata {}."""
+        n = len(responses)
+        prompts = [""] * n if prompts is None else prompts
+        metadata = [{} for _ in range(n)] if metadata is None else metadata
+        if not len(golds) == len(prompts) == len(metadata) == n:
+            raise ValueError(
+                f"{n} responses, {len(golds)} golds, {len(prompts)} prompts, "
+                f"{len(metadata)} metadata"
+            )
+        if n == 0:
+            return []
+        size = -(-n // self.num_workers)
+        calls = [
+            [
+                prompts[a : a + size],
+                responses[a : a + size],
+                golds[a : a + size],
+                metadata[a : a + size],
+            ]
+            for a in range(0, n, size)
+        ]
+        limit = self.timeout if timeout is None else timeout
+        return [
+            s for part in self._threads.map(lambda c: self._call(c, limit), calls) for s in part
+        ]
+
+    def close(self) -> None:
+        """Kill the workers: calls in flight score (0.0, "error"), calls still waiting raise."""
+        self._workers.close()
+        self._threads.shutdown(wait=True)
+
+    def __enter__(self) -> PythonVerifier:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
