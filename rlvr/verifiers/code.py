@@ -27,8 +27,8 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from types import TracebackType
 
+from rlvr.verifiers.base import ClosingVerifier
 from rlvr.verifiers.sandbox import Limits, available_mode, run_python
 
 __all__ = ["STATUSES", "CodeVerifier", "extract_code", "parse_gold"]
@@ -99,7 +99,7 @@ def _normalize(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
 
 
-class CodeVerifier:
+class CodeVerifier(ClosingVerifier):
     """Runs solutions against tests, up to `num_workers` sandboxes at once, each item within
     `timeout` seconds of wall clock (all its io cases together). `mode` is the sandbox's
     isolation ("auto", "namespaces" or "hook"; see rlvr.verifiers.sandbox)."""
@@ -187,14 +187,3 @@ class CodeVerifier:
         """Stop taking work; runs in flight finish (each within its timeout)."""
         self._closed = True
         self._threads.shutdown(wait=True)
-
-    def __enter__(self) -> CodeVerifier:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -14,8 +14,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from types import TracebackType
 
+from rlvr.verifiers.base import ClosingVerifier
 from rlvr.verifiers.extract import extract_answer
 from rlvr.verifiers.worker import WorkerLost, WorkerPool
 
@@ -61,7 +61,7 @@ def _handler(_: str) -> Callable[[str, str], tuple[float, str]]:
     return _compare
 
 
-class MathVerifier:
+class MathVerifier(ClosingVerifier):
     """A pool of math-verify worker processes with a hard per-item timeout.
 
     `verify` is thread-safe: each call takes an idle worker, so up to `num_workers` comparisons
@@ -138,17 +138,6 @@ class MathVerifier:
         """Kill the workers: calls in flight score (0.0, "error"), calls still waiting raise."""
         self._workers.close()
         self._threads.shutdown(wait=True)
-
-    def __enter__(self) -> MathVerifier:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 _default_verifier: MathVerifier | None = None

@@ -20,9 +20,9 @@ import sys
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from types import TracebackType
 from typing import Any
 
+from rlvr.verifiers.base import ClosingVerifier
 from rlvr.verifiers.worker import WorkerLost, WorkerPool, import_object
 
 __all__ = ["PythonVerifier", "check_function", "check_rewards"]
@@ -106,7 +106,7 @@ def _handler(spec: str) -> Callable[..., list[Scored]]:
     return score
 
 
-class PythonVerifier:
+class PythonVerifier(ClosingVerifier):
     """Scores batches with the reward function `function` in `num_workers` worker processes, each
     call within `timeout` seconds; MathVerifier's interface (`verify_batch`, `wait_ready`,
     `close`, context manager), so the VerifierActor pool runs it alike."""
@@ -195,14 +195,3 @@ class PythonVerifier:
         """Kill the workers: calls in flight score (0.0, "error"), calls still waiting raise."""
         self._workers.close()
         self._threads.shutdown(wait=True)
-
-    def __enter__(self) -> PythonVerifier:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

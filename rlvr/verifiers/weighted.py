@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
+
+from rlvr.verifiers.base import ClosingVerifier
 
 __all__ = ["Component", "WeightedVerifier", "combine", "reward_name"]
 
@@ -44,7 +45,7 @@ def combine(weights: list[float], scored: list[list[tuple[float, str]]]) -> list
     ]
 
 
-class WeightedVerifier:
+class WeightedVerifier(ClosingVerifier):
     """The weighted sum of `components`' rewards. `verify_batch` returns, per item,
     (reward, status, {component name: its reward}); the components score at the same time, each
     within its own timeout."""
@@ -87,14 +88,3 @@ class WeightedVerifier:
         self._threads.shutdown(wait=True)
         for c in self.components:
             c.verifier.close()
-
-    def __enter__(self) -> WeightedVerifier:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
