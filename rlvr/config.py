@@ -1315,8 +1315,11 @@ def check_model_for_backend(cfg: Config | ServeConfig, model_dir: Path) -> None:
             f"invalid config: model.path: {model_dir} holds no config.json (not a HF model directory)"
         )
     hf = json.loads(config_file.read_text())
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    if cfg.vllm_on_cpu() and head_dim not in VLLM_CPU_HEAD_SIZES:
+    hf = hf.get("text_config") or hf  # a multimodal config nests its language model's
+    head_dim = hf.get("head_dim")
+    if head_dim is None and "hidden_size" in hf and "num_attention_heads" in hf:
+        head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    if cfg.vllm_on_cpu() and head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
         raise ConfigError(
             f"invalid config: model.path: head size {head_dim} is not supported by vLLM's CPU kernels "
             f"(supported: {VLLM_CPU_HEAD_SIZES}); use generation.backend=hf, GPUs for the engines "

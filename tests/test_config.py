@@ -103,6 +103,15 @@ def test_head_size_rejected_for_vllm_on_cpu_only(tmp_path):
     check_model_for_backend(load_config(None, ["resources.generator_gpus=1"]), tmp_path)
 
 
+def test_a_nested_text_config_is_checked_and_a_missing_size_is_left_to_the_engine(tmp_path):
+    nested = {"text_config": {"hidden_size": 96, "num_attention_heads": 2}}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    with pytest.raises(ConfigError, match=r"model\.path: head size 48"):
+        check_model_for_backend(load_config(), tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "custom"}))
+    check_model_for_backend(load_config(), tmp_path)
+
+
 def test_not_a_model_dir(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         check_model_for_backend(load_config(), tmp_path)
