@@ -8,7 +8,10 @@ evaluate` of `--checkpoint` on each as a user would, and tabulates accuracy, pas
 
     .venv/bin/python bench/published_formats.py --checkpoint runs/smollm2-demo
     .venv/bin/python bench/published_formats.py --checkpoint runs/smollm2-demo --n 4 --temperature 0.7
-Writes bench/out/published_formats/{gsm8k.jsonl, math.jsonl, eval-*/, results.md, results.json}.
+    .venv/bin/python bench/published_formats.py --checkpoint ~/.cache/rlvr/models/smollm2-135m-instruct \
+        --config smollm2-arith --out bench/out/published_formats/base
+Writes gsm8k.jsonl, math.jsonl, eval-*/, results.md and results.json to `--out`
+(bench/out/published_formats).
 """
 
 from __future__ import annotations
@@ -69,9 +72,11 @@ def write_jsonl(path: Path, rows: list[dict[str, str]]) -> None:
 
 def evaluate(args: argparse.Namespace, data: Path) -> dict[str, Any]:
     """`rlvr evaluate` on one file; its summary (the JSON it prints and writes)."""
-    out = OUT / f"eval-{data.stem}"
+    out = args.out / f"eval-{data.stem}"
     argv = ["evaluate", "--checkpoint", args.checkpoint, "--data", str(data), "--out", str(out)]
     argv += ["--n", str(args.n), "--temperature", str(args.temperature), "--seed", "0"]
+    if args.config:
+        argv += ["--config", args.config]
     if rlvr(argv) != 0:
         raise SystemExit(f"rlvr {' '.join(argv)} failed")
     return json.loads((out / "evaluation.json").read_text())
@@ -83,10 +88,12 @@ def main() -> None:
     p.add_argument("--problems", type=int, default=64, help="problems per file")
     p.add_argument("--n", type=int, default=1, help="samples per problem")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--config", help="for a bare model directory: the preset whose prompts to use")
+    p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
-    files = {"gsm8k": OUT / "gsm8k.jsonl", "math": OUT / "math.jsonl"}
+    files = {"gsm8k": args.out / "gsm8k.jsonl", "math": args.out / "math.jsonl"}
     write_jsonl(files["gsm8k"], gsm8k_rows(args.problems, rng))
     write_jsonl(files["math"], math_rows(args.problems, rng))
     results = {name: evaluate(args, path) for name, path in files.items()}
@@ -102,8 +109,8 @@ def main() -> None:
             f"| {name} | {r['problems']} | {r['accuracy']:.3f} | {passes} "
             f"| {r['mean_length']:.1f} |"
         )
-    (OUT / "results.md").write_text("\n".join(lines) + "\n")
-    (OUT / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n".join(lines))
 
 
