@@ -58,9 +58,9 @@ def _entry(value: Any) -> Scored | None:
 
 
 def check_rewards(name: str, returned: Any, n: int) -> list[Scored]:
-    """A function's return for `n` items (a list, tuple or array) as (reward, status) pairs; what is wrong with it is logged
-    naming the function `name` and scores (0.0, "error"): all items for a wrong length or type,
-    one item for a bad entry."""
+    """A function's return for `n` items (a list, tuple or array) as (reward, status) pairs; what
+    is wrong with it is logged naming the function `name` and scores (0.0, "error"): all items for
+    a wrong length or type, one item for a bad entry."""
     if hasattr(returned, "tolist"):  # a numpy array
         returned = returned.tolist()
     if not isinstance(returned, (list, tuple)):
