@@ -19,10 +19,13 @@ import numpy as np
 from sklearn.isotonic import IsotonicRegression
 
 from rlvr.algorithms.counter_rng import GOLDEN_GAMMA, mix64, unit_float
+from rlvr.algorithms.csa.diagnostics import BrierMonitor
 
 GRID_FLOOR = 0.001
 GRID_CEILING = 0.8
 _STATE_FORMAT = 1
+_CONFIG_DEFAULTS = {"drift_budget": 0.0, "brier_window": None, "brier_threshold": 0.2}
+"""Configuration keys added after format 1 was written, with the values older snapshots ran under."""
 
 
 # --------------------------------------------------------------------------- score and calibration
@@ -234,6 +237,17 @@ class CSAController:
     with that probability, independently of its outcome, and selected labels are
     importance-weighted (App. E, Theorem E.1). The single writer (the ControllerActor) owns one
     instance.
+
+    Drift budget nu = `drift_budget` (Theorem 5.1, App. B.5 (ii); the paper never defines its
+    "drift-adjusted e-process", so we take the digest's reading A9): every increment becomes
+    X_t(q) - nu A_t(q) = A_t(q)((1 - V_t) - (alpha + nu)), i.e. the e-processes test the budget
+    alpha + nu (bet and cap from `plugin_bet` at alpha + nu), and the monitored bound is Eq. 3's
+    alpha + nu_bar_T + slack(N_T), nu_bar_T the mean nu over released rounds. nu = 0, the default
+    that "sufficed in all live cells", is Algorithm 1 exactly. (Theorem 5.3's (eta - nu)^-2 rate
+    reads nu the other way, as a margin taken off; A9 follows Eq. 3 and its proof in App. C.4.)
+    With `brier_window` the `BrierMonitor` of App. B.5 watches every epoch and starts a new one
+    (reason "brier") when it fires. `warm_start` seeds an epoch's e-processes with labelled
+    pre-deployment rounds (App. B.5, "Warm start"). Every epoch start is kept in `epoch_log`.
     """
 
     def __init__(
@@ -244,17 +258,29 @@ class CSAController:
         epoch_length: int | None = None,
         sparse_pi_min: float | None = None,
         seed: int = 0,
+        drift_budget: float = 0.0,
+        brier_window: int | None = None,
+        brier_threshold: float = 0.2,
     ):
         grid = np.asarray(grid, dtype=np.float64)
         _check_config(alpha, delta, grid, epoch_length)
         if sparse_pi_min is not None and not 0 < sparse_pi_min <= 1:
             raise ValueError(f"sparse_pi_min must lie in (0, 1], got {sparse_pi_min}")
+        if not (math.isfinite(drift_budget) and 0 <= drift_budget < 1 - alpha):
+            raise ValueError(
+                f"drift_budget must lie in [0, 1 - alpha) = [0, {1 - alpha:g}), got {drift_budget}"
+            )
         self.alpha = float(alpha)
         self.delta = float(delta)
         self.grid = grid
         self.epoch_length = epoch_length
         self.sparse_pi_min = sparse_pi_min
         self.seed = int(seed)
+        self.drift_budget = float(drift_budget)
+        self.brier_window = brier_window
+        self.brier_threshold = float(brier_threshold)
+        self._brier = None if brier_window is None else BrierMonitor(brier_window, brier_threshold)
+        self._budget = self.alpha + self.drift_budget  # the e-processes' null: risk >= this
         self._grid_list = grid.tolist()
         self._pi = 1.0 if sparse_pi_min is None else float(sparse_pi_min)
         m = grid.size
@@ -276,8 +302,11 @@ class CSAController:
         self._applied = 0
         self._released = 0
         self._released_fails = 0.0  # importance-weighted in sparse mode
+        self._released_nu = 0.0  # sum of nu over released rounds (Eq. 3's nu_bar times N)
         self._expired = 0
+        self._warm_rounds = 0  # warm-start rounds in the current epoch's e-processes
         self._versions: list[dict[str, Any]] = []
+        self._epoch_log: list[dict[str, Any]] = []  # every epoch start after the first
         self.applied_rounds: list[AppliedRound] | None = None
         """Set to a list to have every applied round appended to it (for an audit trail; the
         owner drains it). Not part of the state."""
@@ -291,7 +320,7 @@ class CSAController:
             raise ValueError(f"score must be finite, got {score!r}")
         seq = self._next_seq
         if self.epoch_length is not None and seq - self._epoch_start >= self.epoch_length:
-            self._begin_epoch(self._epoch + 1, seq)
+            self._begin_epoch(self._epoch + 1, seq, "schedule")
         threshold = self._grid_list[self._qi] if self._qi >= 0 else None
         release = threshold is not None and s <= threshold
         selected = self.sparse_pi_min is None or _uniform(self.seed, seq) < self._pi
@@ -324,13 +353,15 @@ class CSAController:
         """The seq whose missing label holds back the apply queue, for the timeout sweeper."""
         return self._next_apply if self._next_apply in self._pending else None
 
-    def start_new_epoch(self, epoch: int | None = None, next_seq: int | None = None) -> int:
+    def start_new_epoch(
+        self, epoch: int | None = None, next_seq: int | None = None, reason: str = "operator"
+    ) -> int:
         """Reset every e-process and abstain until re-certified; returns the new epoch number.
 
         Rounds decided before the boundary still count in the realised-risk metrics when labelled,
         but never in the new epoch's e-processes. After a lost snapshot, call it on a fresh
         controller with the lost state's `epoch + 1` and `next_seq`, never resume as epoch 1 with
-        the full budget: that would be repeated testing.
+        the full budget: that would be repeated testing. `reason` goes to `epoch_log`.
         """
         epoch = self._epoch + 1 if epoch is None else int(epoch)
         if epoch <= self._epoch:
@@ -339,8 +370,37 @@ class CSAController:
             if self._next_seq != self._first_seq or next_seq < self._next_seq:
                 raise ValueError("next_seq can only move forward on a stream that issued no rounds")
             self._first_seq = self._next_seq = self._next_apply = int(next_seq)
-        self._begin_epoch(epoch, self._next_seq)
+        self._begin_epoch(epoch, self._next_seq, reason)
         return epoch
+
+    def warm_start(self, scores: Sequence[float], passed: Sequence[bool]) -> int:
+        """Seed the current epoch's e-processes with n0 labelled pre-deployment rounds; returns n0.
+
+        App. B.5 ("Warm start"): a calibration phase before deployment seeds the e-processes with
+        n0 pre-deployment updates. Each (calibrated score, verifier label) pair is applied exactly
+        like a round of the epoch (bet from the pairs before it, then the stats; it may certify),
+        ahead of every round of the epoch, so the e-processes stay predictable. The pairs take no
+        seq, release nothing and stay out of the realised-risk counters and the Brier monitor
+        (whose baseline must describe the served traffic it is compared with). They must come
+        from the policy and score map the epoch serves and be disjoint from the items that fit g
+        and the grid (digest A6: reused items bias the test). Allowed once per epoch, before any
+        of its rounds is applied.
+        """
+        scores = [float(s) for s in scores]
+        labels = [bool(p) for p in passed]
+        if len(scores) != len(labels):
+            raise ValueError(f"{len(scores)} warm-start scores but {len(labels)} labels")
+        if not all(math.isfinite(s) for s in scores):
+            raise ValueError("warm-start scores must be finite")
+        if self._warm_rounds or self._next_apply > self._epoch_start:
+            raise ValueError(
+                f"epoch {self._epoch} already has rounds in its e-processes; a warm start must "
+                "come before them"
+            )
+        for s, ok in zip(scores, labels, strict=True):
+            self._update_eprocesses(bisect_left(self._grid_list, s), not ok, self._epoch_start)
+        self._warm_rounds = len(scores)
+        return self._warm_rounds
 
     def carry_over(self, previous: CSAController) -> None:
         """Continue `previous`, a stream whose configuration changed, as this controller's next
@@ -355,8 +415,10 @@ class CSAController:
         self._labels = dict(previous._labels)
         self._applied, self._released = previous._applied, previous._released
         self._released_fails, self._expired = previous._released_fails, previous._expired
+        self._released_nu = previous._released_nu
         self._versions = [dict(v) for v in previous._versions]
-        self._begin_epoch(previous.epoch + 1, self._next_seq)
+        self._epoch_log = [dict(e) for e in previous._epoch_log]
+        self._begin_epoch(previous.epoch + 1, self._next_seq, "config_changed")
 
     def switch_versions(
         self,
@@ -368,8 +430,9 @@ class CSAController:
 
         An update trained on labels up to `trained_through` may serve only later rounds, so those
         labels must already be applied (Assumption 4.2 (P)). A new scorer changes the score map
-        and therefore starts a new epoch unless the current epoch has no rounds yet (our choice:
-        certificates earned under the old map say nothing about the new one); a new policy alone
+        and therefore starts a new epoch (reason "scorer") unless the current epoch has no rounds
+        yet: the digest's R5 (our choice: certificates earned under the old map say nothing about
+        the new one, and a retrained surrogate may break frontier monotonicity); a new policy alone
         does not (Assumption 4.2 (P) allows one update between rounds).
         """
         if trained_through is not None and trained_through >= self._next_apply:
@@ -387,9 +450,12 @@ class CSAController:
             self._versions[-1].update(new)
         else:
             self._versions.append({"seq": boundary, **new})
-        # Before the epoch's first round nothing was tested with the old score map: no reset needed.
-        if new["scorer"] != current["scorer"] and boundary > self._epoch_start:
-            self._begin_epoch(self._epoch + 1, boundary)
+        # Before the epoch's first round (and warm start) nothing was tested with the old score
+        # map: no reset needed.
+        if new["scorer"] != current["scorer"] and (
+            boundary > self._epoch_start or self._warm_rounds
+        ):
+            self._begin_epoch(self._epoch + 1, boundary, "scorer")
         return boundary
 
     @property
@@ -428,11 +494,19 @@ class CSAController:
         """Sticky certification flags per threshold `[m]` (a copy)."""
         return self._cert.copy()
 
+    @property
+    def epoch_log(self) -> list[dict[str, Any]]:
+        """Every epoch start after the first: epoch, first_seq, reason ("schedule", "scorer",
+        "brier", "config_changed" or the caller's), and for "brier" the monitor's read-out."""
+        return [dict(e) for e in self._epoch_log]
+
     def metrics(self) -> dict[str, Any]:
-        """Monitoring view: realised selective risk against alpha + slack(N), release rate, gate."""
+        """Monitoring view: realised selective risk against Eq. 3's alpha + nu_bar + slack(N),
+        release rate, gate, the Brier monitor (None when off) and the epoch's warm-start rounds."""
         n = self._released
         risk = self._released_fails / max(n, 1)
         slack = selective_risk_slack(n, self.delta)
+        nu_bar = self._released_nu / max(n, 1)
         return {
             "epoch": self._epoch,
             "decided": self._next_seq - self._first_seq,
@@ -442,13 +516,16 @@ class CSAController:
             "risk": risk,
             "release_rate": n / self._applied if self._applied else 0.0,
             "slack": slack,
-            "over_bound": risk > self.alpha + slack,
+            "nu_bar": nu_bar,
+            "over_bound": risk > self.alpha + nu_bar + slack,
             "expired": self._expired,
             "threshold": self.threshold,
             "certified": [
                 q for q, c in zip(self._grid_list, self._cert.tolist(), strict=True) if c
             ],
             "versions": self.versions,
+            "warm_rounds": self._warm_rounds,
+            "brier": None if self._brier is None else self._brier.view(),
         }
 
     # ----------------------------------------------------------------- persistence
@@ -461,6 +538,9 @@ class CSAController:
             "epoch_length": self.epoch_length,
             "sparse_pi_min": self.sparse_pi_min,
             "seed": self.seed,
+            "drift_budget": self.drift_budget,
+            "brier_window": self.brier_window,
+            "brier_threshold": self.brier_threshold,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -484,15 +564,22 @@ class CSAController:
             "applied": self._applied,
             "released": self._released,
             "released_fails": self._released_fails,
+            "released_nu": self._released_nu,
             "expired": self._expired,
             "versions": [dict(v) for v in self._versions],
+            "warm_rounds": self._warm_rounds,
+            "brier": None if self._brier is None else self._brier.state_dict(),
+            "epoch_log": [dict(e) for e in self._epoch_log],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a snapshot taken from a controller with the same configuration (else a new epoch)."""
+        """Restore a snapshot taken from a controller with the same configuration (else a new epoch).
+
+        Keys added after format 1 was written default to what older snapshots ran under.
+        """
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(f"unknown CSA state format {state.get('format')!r}")
-        if state["config"] != self._config():
+        if {**_CONFIG_DEFAULTS, **state["config"]} != self._config():
             raise ValueError(
                 "snapshot configuration differs from this controller's; a changed alpha, delta, "
                 "grid or scorer must start a new epoch instead of resuming"
@@ -520,13 +607,18 @@ class CSAController:
         self._applied = int(state["applied"])
         self._released = int(state["released"])
         self._released_fails = float(state["released_fails"])
+        self._released_nu = float(state.get("released_nu", 0.0))
         self._expired = int(state["expired"])
         self._versions = [dict(v) for v in state["versions"]]
+        self._warm_rounds = int(state.get("warm_rounds", 0))
+        if self._brier is not None:
+            self._brier.load_state_dict(state["brier"])
+        self._epoch_log = [dict(e) for e in state.get("epoch_log", [])]
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> CSAController:
         """A controller rebuilt from a snapshot alone (its configuration travels with it)."""
-        cfg = state["config"]
+        cfg = {**_CONFIG_DEFAULTS, **state["config"]}
         ctrl = cls(
             cfg["alpha"],
             cfg["delta"],
@@ -534,6 +626,9 @@ class CSAController:
             epoch_length=cfg["epoch_length"],
             sparse_pi_min=cfg["sparse_pi_min"],
             seed=cfg["seed"],
+            drift_budget=cfg["drift_budget"],
+            brier_window=cfg["brier_window"],
+            brier_threshold=cfg["brier_threshold"],
         )
         ctrl.load_state_dict(state)
         return ctrl
@@ -576,30 +671,43 @@ class CSAController:
             else:
                 passed = None
             del self._pending[seq]
-            self._apply(seq, entry, passed)
+            self._apply(seq, entry, passed, expired)
             self._next_apply = seq + 1
             if self.applied_rounds is not None:
                 self.applied_rounds.append(
                     AppliedRound(seq, entry[0], entry[1], entry[3], passed, expired)
                 )
 
-    def _apply(self, seq: int, entry: list, passed: bool | None) -> None:
-        _, released, k0, epoch, _ = entry
+    def _apply(self, seq: int, entry: list, passed: bool | None, expired: bool) -> None:
+        score, released, k0, epoch, _ = entry
         self._applied += 1
         if released:
             self._released += 1
+            self._released_nu += self.drift_budget
             if passed is False:
                 self._released_fails += 1.0 / self._pi
-        m = self.grid.size
         # Unverified rounds have importance weight 0 (factor 1); rounds from an abandoned epoch
-        # feed only the realised-risk counters; rounds above every threshold touch no e-process.
-        if passed is None or epoch != self._epoch or k0 >= m:
+        # feed only the realised-risk counters.
+        if passed is None or epoch != self._epoch:
             return
-        fail = not passed
-        x = float(fail) - self.alpha
+        self._update_eprocesses(k0, not passed, seq)
+        # An imputed failure is no verifier judgement of the score: it stays out of the Brier.
+        if not expired:
+            self._watch_brier(score, not passed)
+
+    def _watch_brier(self, score: float, fail: bool) -> None:
+        """Feed the Brier monitor; on an alarm, the next seq to be decided opens a new epoch."""
+        if self._brier is not None and self._brier.update(score, fail):
+            self._begin_epoch(self._epoch + 1, self._next_seq, "brier", **self._brier.view())
+
+    def _update_eprocesses(self, k0: int, fail: bool, seq: int) -> None:
+        """One labelled round gated from grid index k0 on: bet, wealth, stats, certification."""
+        if k0 >= self.grid.size:
+            return  # above every threshold: no e-process is touched
+        x = float(fail) - self._budget
         ell, n, fails, cert = self._ell[k0:], self._n[k0:], self._fails[k0:], self._cert[k0:]
         # The bet comes from rounds before this one (predictable), then the stats absorb this one.
-        lam = plugin_bet(n, fails, self.alpha)
+        lam = plugin_bet(n, fails, self._budget)
         ell += np.log1p(-lam * x)
         n += 1
         if fail:
@@ -610,9 +718,13 @@ class CSAController:
             self._cert_seq[k0:][newly] = seq
             self._qi = max(self._qi, k0 + int(np.flatnonzero(newly)[-1]))
 
-    def _begin_epoch(self, epoch: int, start_seq: int) -> None:
+    def _begin_epoch(self, epoch: int, start_seq: int, reason: str, **detail: Any) -> None:
+        self._epoch_log.append({"epoch": epoch, "first_seq": start_seq, "reason": reason, **detail})
         self._epoch = epoch
         self._epoch_start = start_seq
+        self._warm_rounds = 0
+        if self._brier is not None:
+            self._brier.reset()
         self._log_thr = log_certification_threshold(
             self.grid.size, self.delta, epoch, self.epoch_length is not None
         )
