@@ -416,3 +416,153 @@ def test_carry_over_needs_a_fresh_controller():
     ctrl.decide(0.1)
     with pytest.raises(ValueError, match="issued no rounds"):
         ctrl.carry_over(SPEC.controller())
+
+
+# --------------------------------------------------------------------------- epochs and diagnostics
+
+# (score, passed) rounds that fire a W = 2, rho = 0.2 Brier monitor on the last one (by hand in
+# tests/algorithms/test_csa_diagnostics.py: baseline 0.125, last window 0.40625).
+BRIER_ROUNDS = [
+    (0.5, True),
+    (0.0, True),
+    (0.5, False),
+    (0.5, True),
+    (1.0, False),
+    (0.75, True),
+    (0.5, False),
+]
+BRIER_SPEC = StreamSpec(alpha=0.5, delta=0.1, grid=GRID, brier_window=2, brier_threshold=0.2)
+
+
+def test_brier_alarm_is_a_new_epoch_in_the_audit_file_and_status(tmp_path):
+    host = CSAStreamHost(tmp_path, clock=Clock())
+    host.open_stream("s", BRIER_SPEC)
+    for s, _ in BRIER_ROUNDS:
+        host.decide("s", s)
+    host.decide("s", 0.1)  # seq 7: open when the alarm fires
+    for seq, (_, passed) in enumerate(BRIER_ROUNDS):
+        r = host.observe("s", seq, passed)
+    assert r["epoch"] == 2
+    status = host.status("s")
+    assert status["restarts"] == [
+        {"reason": "brier", "epoch": 2, "at_seq": 8, "time": 1000.0, "baseline": 0.125}
+        | {"window_brier": 0.40625}
+    ]
+    assert [(e["epoch"], e["first_seq"], e["reason"]) for e in status["epoch_history"]] == [
+        (2, 8, "brier")
+    ]
+    assert status["brier"]["labels"] == 0 and status["pending"] == 1
+    lines = audit(tmp_path)
+    assert [r.get("seq") for r in lines] == [*range(7), None]
+    assert lines[-1]["event"] == "epoch" and lines[-1]["reason"] == "brier"
+    assert lines[-1]["first_seq"] == 8 and lines[-1]["baseline"] == 0.125
+    # A restart continues exactly, and the open round still takes its label, outside epoch 2.
+    again = reopen(tmp_path)
+    assert again.state("s") == host.state("s")
+    for h in (host, again):
+        h.observe("s", 7, True)
+    assert again.state("s") == host.state("s")
+    last = audit(tmp_path)[-1]
+    assert (last["seq"], last["epoch"], last["in_epoch"]) == (7, 1, False)
+
+
+def test_warm_start_through_the_host(tmp_path):
+    host = CSAStreamHost(tmp_path, clock=Clock())
+    host.open_stream("s", SPEC)
+    # At alpha 0.5 a pass at s <= 0.1 multiplies the wealth by 1 + min(0.5/0.25, 1) * 0.5 = 1.5
+    # (after the first, bet-free one); log(1.5) * 14 >= log(2 * 3/0.1) certifies GRID[0] at 15.
+    assert host.warm_start("s", [0.05] * 15, [True] * 15) == 15
+    status = host.status("s")
+    assert (status["threshold"], status["warm_rounds"], status["applied"]) == (0.4, 15, 0)
+    line = audit(tmp_path)[-1]
+    assert (line["event"], line["rounds"], line["failures"], line["at_seq"]) == (
+        "warm_start",
+        15,
+        0,
+        0,
+    )
+    assert host.decide("s", 0.05)["release"]
+    assert reopen(tmp_path).state("s") == host.state("s")
+    with pytest.raises(ValueError, match="warm start"):
+        host.warm_start("s", [0.05], [True])
+
+
+def test_every_epoch_change_keeps_open_rounds_and_the_audit_trail(tmp_path):
+    host = CSAStreamHost(tmp_path, clock=Clock())
+    host.open_stream("s", SPEC, policy="p0", scorer="g0")
+    scheduled = StreamSpec(alpha=0.5, delta=0.1, grid=GRID, epoch_length=2, label_timeout_s=10.0)
+    changes = [
+        lambda: host.switch_versions("s", scorer="g1"),  # a surrogate retrain (R5)
+        lambda: host.start_new_epoch("s", reason="operator"),
+        lambda: host.open_stream("s", scheduled),
+        lambda: host.decide("s", 0.1),  # two rounds into the epoch: the schedule opens the next
+    ]
+    before = b""
+    still_open = []
+    for change in changes:
+        first = host.decide("s", 0.1)["seq"]
+        still_open.append(host.decide("s", 0.1)["seq"])
+        host.observe("s", first, True)
+        epoch = host.status("s")["epoch"]
+        change()
+        assert host.status("s")["epoch"] == epoch + 1
+        trail = (tmp_path / "s.audit.jsonl").read_bytes()
+        assert trail.startswith(before)  # the audit file only grows
+        before = trail
+    status = host.status("s")
+    reasons = ["scorer", "operator", "config_changed", "schedule"]
+    assert [e["reason"] for e in status["epoch_history"]] == reasons
+    assert [(e["epoch"], e["first_seq"]) for e in status["epoch_history"]] == [
+        (2, 2),
+        (3, 4),
+        (4, 6),
+        (5, 8),
+    ]
+    # The rounds left open across each change still take their labels, in no epoch's test.
+    still_open.append(8)
+    assert status["pending"] == 8  # all but seq 0: the labelled ones wait behind open seq 1
+    for seq in still_open:
+        host.observe("s", seq, False)
+    lines = audit(tmp_path)
+    rounds = [r for r in lines if "seq" in r]
+    assert sorted(r["seq"] for r in rounds) == list(range(9))
+    assert [r["in_epoch"] for r in rounds if r["seq"] in still_open] == [False] * 4 + [True]
+    assert [r["reason"] for r in lines if r.get("event") == "epoch"] == reasons
+    assert host.status("s")["applied"] == 9
+
+
+def test_a_snapshot_from_before_the_diagnostics_restores(tmp_path):
+    root = tmp_path / "root"
+    host = CSAStreamHost(root, clock=Clock())
+    host.open_stream("s", SPEC)
+    for s in SCORES[:3]:
+        host.decide("s", s)
+    host.observe("s", 0, True)
+    host.close()
+    record = read_record(root / "s.state.json")
+    ctrl = record["controller"]
+    for key in ("drift_budget", "brier_window", "brier_threshold"):
+        del record["spec"][key], ctrl["config"][key]
+    for key in ("released_nu", "warm_rounds", "brier", "epoch_log"):
+        del ctrl[key]
+    del record["audited_epochs"]
+    write_record(root / "s.state.json", record)
+    old = CSAStreamHost(root, clock=Clock())
+    assert old.state("s") == host.state("s") and old.status("s")["epoch"] == 1
+    # The same spec reopened is no configuration change.
+    assert old.open_stream("s", SPEC)["epoch"] == 1
+
+
+def test_diagnostic_settings_are_part_of_the_spec(tmp_path):
+    spec = StreamSpec(alpha=0.3, delta=0.1, grid=GRID, drift_budget=0.05, brier_window=300)
+    assert StreamSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    with pytest.raises(ValueError, match="drift_budget"):
+        StreamSpec(alpha=0.6, delta=0.1, grid=GRID, drift_budget=0.4)
+    with pytest.raises(ValueError, match="Brier window"):
+        StreamSpec(alpha=0.3, delta=0.1, grid=GRID, brier_window=0)
+    host = CSAStreamHost(tmp_path, clock=Clock())
+    host.open_stream("s", SPEC)
+    # Turning the diagnostic on changes the rule that places epoch boundaries: a new epoch.
+    status = host.open_stream("s", BRIER_SPEC)
+    assert status["epoch"] == 2 and status["restarts"][-1]["reason"] == "config_changed"
+    assert status["brier"]["baseline"] is None and status["drift_budget"] == 0.0

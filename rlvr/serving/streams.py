@@ -11,6 +11,9 @@ issued, never as fresh state with the full error budget (that would be repeated 
 `NAME.audit.jsonl` gets one line per applied round (seq, epoch, versions, score, threshold,
 action, label and its source), synced before the snapshot that applies it: a crash between the two
 may repeat a line when the label is sent again, never lose one (readers keep the last per seq).
+Lines with an "event" key are not rounds: "epoch" marks every epoch start after the first (its
+first seq and reason: schedule, scorer, brier, config_changed, operator, snapshot_lost) and
+"warm_start" a warm start's pre-deployment rounds.
 """
 
 from __future__ import annotations
@@ -57,9 +60,9 @@ class StreamStateError(RuntimeError):
 class StreamSpec:
     """What defines a stream: the CSA configuration (alpha, delta, grid, ...) and its label timeout.
 
-    A change of any field but `label_timeout_s` changes the hypotheses under test, so reopening a
-    stream with it starts a new epoch (our choice: certificates earned under one configuration say
-    nothing about another; Algorithm 2's reset).
+    A change of any field but `label_timeout_s` changes the hypotheses under test, or the rule that
+    places the epoch boundaries, so reopening a stream with it starts a new epoch (our choice:
+    certificates earned under one configuration say nothing about another; Algorithm 2's reset).
     """
 
     alpha: float
@@ -70,12 +73,18 @@ class StreamSpec:
     seed: int = 0
     label_timeout_s: float | None = None
     """Seconds a round may wait for its label before it is closed as a failure (None: forever)."""
+    drift_budget: float = 0.0
+    """nu of Theorem 5.1: the e-processes test alpha + nu, the bound is alpha + nu + slack(N)."""
+    brier_window: int | None = None
+    """W of the Brier early-reset diagnostic (App. B.5; `BrierMonitor`); None: off."""
+    brier_threshold: float = 0.2
+    """Relative Brier rise over the warm-up baseline that, sustained, starts a new epoch."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", tuple(float(q) for q in self.grid))
         if self.label_timeout_s is not None and not self.label_timeout_s > 0:
             raise ValueError(f"label_timeout_s must be > 0 or None, got {self.label_timeout_s}")
-        # The controller validates alpha, delta, grid, epoch_length and sparse_pi_min.
+        # The controller validates the CSA fields.
         self.controller()
 
     def controller(self) -> CSAController:
@@ -87,6 +96,9 @@ class StreamSpec:
             epoch_length=self.epoch_length,
             sparse_pi_min=self.sparse_pi_min,
             seed=self.seed,
+            drift_budget=self.drift_budget,
+            brier_window=self.brier_window,
+            brier_threshold=self.brier_threshold,
         )
 
     def controller_config(self) -> dict[str, Any]:
@@ -168,6 +180,7 @@ class _Stream:
         self.spec = spec
         self.rounds: dict[int, _Round] = {}  # open rounds only, ascending seq
         self.restarts: list[dict[str, Any]] = []
+        self.audited_epochs = len(ctrl.epoch_log)  # epoch starts already in the audit file
         self.marker_epoch = 0
         self.seq_bound = 0
         self.ctrl = ctrl
@@ -345,18 +358,46 @@ class CSAStreamHost:
         return boundary
 
     def start_new_epoch(self, name: str, reason: str = "operator") -> int:
-        """Reset the e-processes of `name` (e.g. on a drift alarm); returns the new epoch."""
+        """Reset the e-processes of `name` (e.g. on a drift alarm); returns the new epoch.
+
+        Open rounds keep their seqs and take their labels (into the realised-risk counters only);
+        the audit file and the version history run on. The stream's Brier diagnostic (App. B.5)
+        starts its epochs inside the controller; they are recorded alike, with reason "brier".
+        """
         stream = self._get(name)
         self._expire(stream)
-        epoch = stream.ctrl.start_new_epoch()
+        epoch = stream.ctrl.start_new_epoch(reason=reason)
         stream.restarts.append(self._event(reason, stream.ctrl))
         self._persist(stream)
         return epoch
 
+    def warm_start(self, name: str, scores: list[float], passed: list[bool]) -> int:
+        """Seed the current epoch of `name` with labelled pre-deployment rounds (calibrated scores
+        and verifier labels; App. B.5's warm start, see `CSAController.warm_start`); returns n0."""
+        stream = self._get(name)
+        self._expire(stream)
+        n0 = stream.ctrl.warm_start(scores, passed)
+        self._write_audit(
+            stream,
+            [
+                {
+                    "event": "warm_start",
+                    "epoch": stream.ctrl.epoch,
+                    "rounds": n0,
+                    "failures": n0 - sum(bool(p) for p in passed),
+                    "at_seq": stream.ctrl.state_dict()["next_seq"],
+                    "time": self.clock(),
+                }
+            ],
+        )
+        self._persist(stream)
+        return n0
+
     # ----------------------------------------------------------------- inspection
 
     def status(self, name: str) -> dict[str, Any]:
-        """Monitoring view of `name`: the controller's metrics, its spec, restarts and versions."""
+        """Monitoring view of `name`: the controller's metrics (with the Brier diagnostic), its
+        spec, restarts (unscheduled epochs, "brier" among them), epoch starts and versions."""
         stream = self._get(name)
         self._expire(stream)
         metrics = stream.ctrl.metrics()
@@ -371,7 +412,9 @@ class CSAStreamHost:
             "delta": stream.spec.delta,
             "grid": list(stream.spec.grid),
             "label_timeout_s": stream.spec.label_timeout_s,
+            "drift_budget": stream.spec.drift_budget,
             "restarts": [dict(r) for r in stream.restarts],
+            "epoch_history": state["epoch_log"],
             "version_history": state["versions"],
         }
 
@@ -430,6 +473,7 @@ class CSAStreamHost:
                 [seq, r.decided_at, r.threshold, r.source] for seq, r in stream.rounds.items()
             ],
             "restarts": [dict(r) for r in stream.restarts],
+            "audited_epochs": stream.audited_epochs,
         }
 
     def _cover(self, stream: _Stream) -> None:
@@ -472,9 +516,11 @@ class CSAStreamHost:
         os.fdatasync(f.fileno())
 
     def _audit(self, stream: _Stream) -> None:
-        """Append (and sync) a line per round the controller applied since the last call."""
+        """Append (and sync) a line per round the controller applied since the last call, then one
+        per epoch it started; a Brier alarm also becomes a restart (shown by `status`)."""
         applied = stream.ctrl.applied_rounds
-        if not applied:
+        epochs = stream.ctrl.epoch_log[stream.audited_epochs :]
+        if not applied and not epochs:
             return
         now = self.clock()
         lines = []
@@ -490,27 +536,39 @@ class CSAStreamHost:
                 else "fail"
             )
             lines.append(
-                json.dumps(
-                    {
-                        "seq": r.seq,
-                        "epoch": r.epoch,
-                        "in_epoch": r.epoch == stream.ctrl.epoch,
-                        "versions": stream.ctrl.versions_at(r.seq),
-                        "score": r.score,
-                        "threshold": None if open_round is None else open_round.threshold,
-                        "action": "release" if r.released else "abstain",
-                        "label": label,
-                        "source": None if open_round is None else open_round.source,
-                        "decided_at": None if open_round is None else open_round.decided_at,
-                        "applied_at": now,
-                    },
-                    sort_keys=True,
-                )
+                {
+                    "seq": r.seq,
+                    "epoch": r.epoch,
+                    "in_epoch": r.epoch == stream.ctrl.epoch,
+                    "versions": stream.ctrl.versions_at(r.seq),
+                    "score": r.score,
+                    "threshold": None if open_round is None else open_round.threshold,
+                    "action": "release" if r.released else "abstain",
+                    "label": label,
+                    "source": None if open_round is None else open_round.source,
+                    "decided_at": None if open_round is None else open_round.decided_at,
+                    "applied_at": now,
+                }
             )
         applied.clear()
-        path = self.audit_path(stream.name)
-        with open(path, "a") as f:
-            f.write("".join(line + "\n" for line in lines))
+        for e in epochs:
+            start = {
+                "reason": e["reason"],
+                "epoch": e["epoch"],
+                "at_seq": e["first_seq"],
+                "time": now,
+            }
+            if e["reason"] == "brier":
+                stream.restarts.append(start | {k: e[k] for k in ("baseline", "window_brier")})
+            lines.append({"event": "epoch", **e, "time": now})
+        stream.audited_epochs += len(epochs)
+        self._write_audit(stream, lines)
+
+    def _write_audit(self, stream: _Stream, lines: list[dict[str, Any]]) -> None:
+        """Append records to the audit file of `stream`, one JSON line each, and sync them."""
+        text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
+        with open(self.audit_path(stream.name), "a") as f:
+            f.write(text)
             f.flush()
             os.fdatasync(f.fileno())
 
@@ -535,6 +593,7 @@ class CSAStreamHost:
                 stream = _Stream(name, spec, CSAController.from_state_dict(state["controller"]))
                 stream.rounds = _read_rounds(state)
                 stream.restarts = [dict(r) for r in state["restarts"]]
+                stream.audited_epochs = int(state.get("audited_epochs", stream.audited_epochs))
             except (KeyError, TypeError, ValueError) as err:
                 state, state_err = None, f"{state_path.name}: unusable snapshot ({err})"
         if state is not None:
@@ -557,11 +616,14 @@ class CSAStreamHost:
         # Lost snapshot: a new epoch that starts after every seq the old state could have issued.
         spec = StreamSpec.from_dict(marker["spec"])
         ctrl = spec.controller()
-        ctrl.start_new_epoch(int(marker["epoch"]) + 1, next_seq=int(marker["seq_bound"]))
+        ctrl.start_new_epoch(
+            int(marker["epoch"]) + 1, next_seq=int(marker["seq_bound"]), reason="snapshot_lost"
+        )
         versions = marker.get("versions") or {}
         if versions.get("policy") is not None or versions.get("scorer") is not None:
             ctrl.switch_versions(policy=versions.get("policy"), scorer=versions.get("scorer"))
         stream = _Stream(name, spec, ctrl)
+        stream.audited_epochs = 0  # the new epoch's start is not in the audit file yet
         stream.seq_bound, stream.marker_epoch = int(marker["seq_bound"]), int(marker["epoch"])
         stream.restarts.append(self._event("snapshot_lost", ctrl) | {"detail": state_err})
         self._persist(stream)
@@ -582,8 +644,10 @@ def _replay(stream: _Stream, entries: list[dict[str, Any]]) -> None:
             raise ValueError(f"replayed decision got seq {decided.seq}, journal says {seq}")
         source = entry.get("source", "feedback")
         stream.rounds[seq] = _Round(float(entry["time"]), decided.threshold, source)
-        # Rounds sparse mode applies on replay were audited when first decided.
+        # Rounds sparse mode applies on replay, and scheduled epochs, were audited when first
+        # decided (the audit line is synced before the journal line).
         stream.ctrl.applied_rounds.clear()
+        stream.audited_epochs = len(stream.ctrl.epoch_log)
         _prune(stream)
 
 
