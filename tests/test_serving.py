@@ -286,3 +286,31 @@ def test_a_server_defect_is_still_a_json_error():
     response = asyncio.run(_respond(defect))
     assert response.status_code == 500
     assert json.loads(response.body)["error"]["type"] == "server_error"
+
+
+def test_stream_diagnostics_config_reaches_the_stream_spec():
+    grid = [0.1, 0.2, 0.4]
+    cfg = load_serve_config(
+        "configs/serve-tiny.yaml",
+        ["csa.streams.0.drift_budget=0.05", "csa.streams.0.brier_reset=true"],
+    )
+    stream = cfg.csa.streams[0]
+    assert (stream.brier_window, stream.brier_threshold) == (500, 0.2)
+    spec = stream.stream_spec(grid)
+    assert (spec.drift_budget, spec.brier_window, spec.brier_threshold) == (0.05, 500, 0.2)
+    assert (spec.alpha, spec.delta, spec.grid) == (stream.alpha, stream.delta, tuple(grid))
+    assert spec.label_timeout_s == stream.label_timeout_s
+    # Off (the default), the diagnostic's settings stay out of the spec.
+    off = load_serve_config("configs/serve-tiny.yaml", ["csa.streams.0.brier_threshold=0.5"])
+    assert off.csa.streams[0].stream_spec(grid).brier_window is None
+    assert off.csa.streams[0].stream_spec(grid) == load_serve_config(
+        "configs/serve-tiny.yaml"
+    ).csa.streams[0].stream_spec(grid)
+    for overrides, message in [
+        (["csa.streams.0.drift_budget=0.6"], "alpha \\+ drift_budget must stay below 1"),
+        (["csa.streams.0.drift_budget=-0.1"], "csa.streams.0.drift_budget"),
+        (["csa.streams.0.brier_window=0"], "csa.streams.0.brier_window"),
+        (["csa.streams.0.brier_threshold=0"], "csa.streams.0.brier_threshold"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_serve_config("configs/serve-tiny.yaml", overrides)

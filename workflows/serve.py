@@ -165,13 +165,7 @@ def prepare_serve(cfg: ServeConfig) -> PreparedServe:
             grid = calibration.grid(s.alpha, s.m, s.spacing)
         except ValueError as err:
             raise ConfigError(f"invalid serve config: csa.streams.{i}.alpha: {err}") from None
-        specs[s.name] = StreamSpec(
-            alpha=s.alpha,
-            delta=s.delta,
-            grid=tuple(grid.tolist()),
-            epoch_length=s.epoch_length,
-            label_timeout_s=s.label_timeout_s,
-        )
+        specs[s.name] = s.stream_spec(grid.tolist())
     policy = checkpoint_fingerprint(model_dir)
     if calibration.checkpoint and calibration.checkpoint != policy:
         log.warning(

@@ -6,6 +6,7 @@ CSA streams and the HTTP front; every unknown key or bad value fails at load, na
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,7 +20,7 @@ from rlvr.config import (
     read_yaml_sections,
 )
 from rlvr.serving.access import API_KEYS_ENV, OPERATOR_KEY_ENV, OPERATOR_KEY_FILE, check_key
-from rlvr.serving.streams import STREAM_NAME
+from rlvr.serving.streams import STREAM_NAME, StreamSpec
 
 
 class ServeModelConfig(Section):
@@ -62,12 +63,57 @@ class StreamConfig(Section):
     label_timeout_s: float | None = Field(
         600.0, gt=0.0, description="A label missing this long counts as a failure (None: never)."
     )
+    drift_budget: float = Field(
+        0.0,
+        ge=0.0,
+        description="Drift budget nu (CSA Thm 5.1; digest A9): the e-processes test the budget "
+        "alpha + nu and the realised risk is bounded by alpha + nu + slack(N), so nu > 0 "
+        "certifies sooner at a looser guarantee. 0 (the paper's choice in every live cell) is "
+        "the exact CSA test; must keep alpha + nu < 1.",
+    )
+    brier_reset: bool = Field(
+        False,
+        description="Brier early-reset diagnostic (CSA App. B.5): start a new epoch when the "
+        "calibrated score's Brier over the last brier_window labels stays above (1 + "
+        "brier_threshold) x the epoch's warm-up baseline (its first brier_window labels) for "
+        "brier_window consecutive labels.",
+    )
+    brier_window: int = Field(
+        500,
+        gt=0,
+        description="Labels in the Brier warm-up, in the sliding window, and in the run of "
+        "consecutive rises that fires (so no alarm before 2 x brier_window labels of an epoch).",
+    )
+    brier_threshold: float = Field(
+        0.2, gt=0.0, description="Relative Brier rise over the warm-up baseline (0.2: +20%)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> StreamConfig:
         if not STREAM_NAME.fullmatch(self.name):
             raise ValueError(f"name must match {STREAM_NAME.pattern}")
+        if self.alpha + self.drift_budget >= 1.0:
+            raise ValueError(
+                f"alpha + drift_budget must stay below 1, got {self.alpha} + {self.drift_budget}"
+            )
         return self
+
+    def stream_spec(self, grid: Sequence[float]) -> StreamSpec:
+        """The durable stream's spec for this entry on `grid` (computed from the calibration)."""
+        return StreamSpec(
+            alpha=self.alpha,
+            delta=self.delta,
+            grid=tuple(float(q) for q in grid),
+            epoch_length=self.epoch_length,
+            label_timeout_s=self.label_timeout_s,
+            drift_budget=self.drift_budget,
+            # Off, the diagnostic's settings stay out of the spec: editing them starts no epoch.
+            **(
+                {"brier_window": self.brier_window, "brier_threshold": self.brier_threshold}
+                if self.brier_reset
+                else {}
+            ),
+        )
 
 
 class ServeCSAConfig(Section):
