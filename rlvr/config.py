@@ -268,6 +268,14 @@ class TrainingConfig(Section):
             "fewer tokens (Prefix Grouper, arXiv:2506.05433). Needs sdpa or eager attention."
         ),
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description=(
+            "Keep only each decoder layer's input in forward and recompute the layer in backward "
+            "(activation checkpointing): the step's activations shrink to about one layer's, for "
+            "one more forward pass of training time (bench/vs_trl.py measures both)."
+        ),
+    )
     micro_batch_tokens: int = Field(
         0,
         ge=0,

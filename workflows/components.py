@@ -130,6 +130,7 @@ def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         "micro_batch_tokens": t.micro_batch_tokens,
         "lm_head_chunk": t.lm_head_chunk,
         "shared_prefix": t.shared_prefix,
+        "gradient_checkpointing": t.gradient_checkpointing,
         "dtype": cfg.model.dtype,
         "seed": cfg.run.seed,
         "kl_coef": method.kl_coef(),

@@ -144,7 +144,8 @@ class PolicyTrainer:
     then 0 off the loss tokens. ``shared_prefix`` runs each prompt once for the rows of a
     micro-batch that share it, behind a block mask (`rlvr.training.shared_prefix`; token-budget
     micro-batches then keep prompt groups together), with the head as under ``lm_head_chunk``
-    (one chunk when that is 0).
+    (one chunk when that is 0). ``gradient_checkpointing`` recomputes each decoder layer in
+    backward instead of keeping its activations: the same values for one more forward.
     ``engine_is`` corrects the mismatch between the generation engine that sampled the rollouts
     and the trainer (`grpo.engine_is_weights`, cap ``engine_is_cap``) when the batch carries
     ``rollout_logp``. With ``lora`` enabled only the adapter trains and the reference policy is the
@@ -183,6 +184,7 @@ class PolicyTrainer:
         micro_batch_tokens: int = 0,
         lm_head_chunk: int = 0,
         shared_prefix: bool = False,
+        gradient_checkpointing: bool = False,
         dtype: Literal["float32", "bfloat16"] = "float32",
         seed: int = 0,
         kl_coef: float = 0.0,
@@ -250,6 +252,13 @@ class PolicyTrainer:
         self._pad_id: int = self.tokenizer.eos_token_id if pad is None else pad
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
         self._hf_model: PreTrainedModel = model
+        if gradient_checkpointing:
+            # Each decoder layer keeps only its input and recomputes the rest in backward: one
+            # layer's activations alive at a time for one more forward. Non-reentrant, so LoRA's
+            # frozen embeddings need no input grads and ZeRO-3 re-gathers during recomputation.
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         attention = model.config._attn_implementation
         if shared_prefix and attention not in BLOCK_MASK_ATTENTION:
             log.warning(

@@ -113,7 +113,8 @@ def step_with_grads(trainer: PolicyTrainer) -> tuple[dict, dict[str, torch.Tenso
     ],
 )
 def test_packed_train_step_equals_the_plain_one(model_dir, stage, lora, agg):
-    """Same loss, KL, entropy and gradients, micro-batched by rows and by token budget."""
+    """Same loss, KL, entropy and gradients, micro-batched by rows and by token budget, with and
+    without activation checkpointing."""
     common = {
         "zero_stage": stage,
         "lora": LoraConfig(enabled=True, r=4, alpha=8) if lora else None,
@@ -128,6 +129,7 @@ def test_packed_train_step_equals_the_plain_one(model_dir, stage, lora, agg):
         {"micro_batch_size": 3},
         {"micro_batch_size": 3, "shared_prefix": True},
         {"micro_batch_tokens": 16, "shared_prefix": True},
+        {"micro_batch_tokens": 16, "shared_prefix": True, "gradient_checkpointing": True},
     ]
     runs = [step_with_grads(PolicyTrainer(model_dir, **common, **kw)) for kw in settings]
     (m0, g0) = runs[0]
@@ -137,6 +139,32 @@ def test_packed_train_step_equals_the_plain_one(model_dir, stage, lora, agg):
         assert grads.keys() == g0.keys()
         for name in g0:
             torch.testing.assert_close(grads[name], g0[name], rtol=1e-4, atol=1e-6)
+
+
+def saved_activation_bytes(trainer: PolicyTrainer) -> int:
+    """Bytes autograd keeps for backward during one train step, outside checkpointed regions
+    (a checkpoint's own saved-tensor hooks take the tensors it recomputes)."""
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.train_step(make_batch())
+    return saved
+
+
+def test_gradient_checkpointing_keeps_a_fraction_of_the_activations(model_dir):
+    kept = [
+        saved_activation_bytes(
+            PolicyTrainer(model_dir, micro_batch_size=8, gradient_checkpointing=checkpointing)
+        )
+        for checkpointing in (False, True)
+    ]
+    # the tiny model's two layers keep their inputs only; the head and embeddings stay as they are
+    assert kept[1] < 0.5 * kept[0]
 
 
 def test_token_budget_micro_batches_keep_prompt_groups_together(model_dir):
