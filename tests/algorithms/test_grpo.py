@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from rlvr.algorithms.advantages import group_advantages
 from rlvr.algorithms.grpo import (
     engine_is_weights,
-    group_advantages,
     kl_k3,
     kl_loss,
     masked_mean,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from rlvr.algorithms.grpo import group_advantages
+from rlvr.algorithms.advantages import group_advantages
 from rlvr.algorithms.laconic import (
     DEFAULT_ETA,
     DEFAULT_LAM_INIT,

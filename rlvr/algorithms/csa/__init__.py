@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from sklearn.isotonic import IsotonicRegression
 
 from rlvr.algorithms.counter_rng import GOLDEN_GAMMA, mix64, unit_float
 from rlvr.algorithms.csa.diagnostics import BrierMonitor
@@ -71,6 +70,9 @@ class Calibrator:
         cls, raw: Sequence[float] | np.ndarray, passed: Sequence[bool] | np.ndarray
     ) -> Calibrator:
         """Isotonic regression of fail = 1 - passed on the raw score (scikit-learn), y in [0, 1]."""
+        # imported here: only calibration fits, and the stream host's process never does
+        from sklearn.isotonic import IsotonicRegression
+
         raw = np.asarray(raw, dtype=np.float64)
         fail = 1.0 - np.asarray(passed, dtype=np.float64)
         if raw.shape != fail.shape or raw.ndim != 1 or raw.size == 0:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rlvr.algorithms.grpo import group_advantages, kl_k3, policy_loss
+from rlvr.algorithms.advantages import group_advantages
+from rlvr.algorithms.grpo import kl_k3, policy_loss
 
 # Defaults of the paper's Table 3 and App. F.2: gates mu=1, rho_g=25%, nu=60%, filter fractions 10%,
 # beta 0.001. Our choices where it gives a range or an approximate value: omega 1.5 (the paper: 1-2

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from rlvr.algorithms.advantages import group_advantages
 from rlvr.algorithms.duet.state import LengthWindow, PromptState
 from rlvr.algorithms.duet.stop import (
     MARKER_DOMAINS,
@@ -24,7 +25,6 @@ from rlvr.algorithms.duet.stop import (
     has_marker,
     rollout_seed,
 )
-from rlvr.algorithms.grpo import group_advantages
 
 __all__ = [
     "MARKER_DOMAINS",

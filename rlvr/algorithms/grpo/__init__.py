@@ -1,34 +1,20 @@
-"""GRPO core (arXiv:2402.03300, Sec. 4.1): group-normalised advantages, the PPO-clip token loss
-and the k3 KL estimator.
+"""GRPO core (arXiv:2402.03300, Sec. 4.1): the PPO-clip token loss and the k3 KL estimator.
 
-Pure functions over numpy/torch in the style of verl's core_algos; a config string picks the
-advantage scaling ("group" = GRPO, "none" = Dr.GRPO) and the loss aggregation from small registries.
+Pure functions over torch in the style of verl's core_algos; a config string picks the loss
+aggregation from a small registry (the advantages are `rlvr.algorithms.advantages`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from rlvr.algorithms.groups import group_rows
+from rlvr.algorithms.advantages import lookup
 
-AdvantageScale = Callable[[float, float], float]
 LossAggregation = Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor]
 
-ADVANTAGE_SCALES: dict[str, AdvantageScale] = {}
 LOSS_AGGREGATIONS: dict[str, LossAggregation] = {}
-
-
-def register_advantage_scale(name: str) -> Callable[[AdvantageScale], AdvantageScale]:
-    """Register `fn(group_std, eps) -> divisor` under `name` for `group_advantages(scale=name)`."""
-
-    def wrap(fn: AdvantageScale) -> AdvantageScale:
-        ADVANTAGE_SCALES[name] = fn
-        return fn
-
-    return wrap
 
 
 def register_loss_agg(name: str) -> Callable[[LossAggregation], LossAggregation]:
@@ -39,65 +25,6 @@ def register_loss_agg(name: str) -> Callable[[LossAggregation], LossAggregation]
         return fn
 
     return wrap
-
-
-def _lookup(registry: dict, name: str, what: str):
-    if name not in registry:
-        raise ValueError(f"unknown {what} {name!r}; choose one of {sorted(registry)}")
-    return registry[name]
-
-
-@register_advantage_scale("group")
-def _scale_by_group_std(std: float, eps: float) -> float:
-    return std + eps
-
-
-@register_advantage_scale("none")
-def _no_scale(std: float, eps: float) -> float:
-    # Dr.GRPO: dividing by the group std up-weights near-uniform groups (too easy or too hard).
-    return 1.0
-
-
-def group_advantages(
-    rewards: np.ndarray | torch.Tensor,
-    group_ids: Sequence[Hashable] | np.ndarray | torch.Tensor,
-    scale: str = "group",
-    eps: float = 1e-6,
-    singleton: str = "zero",
-) -> np.ndarray | torch.Tensor:
-    """Per-sequence GRPO advantages `[batch]`: (r - group mean) / (group std + eps) within each group.
-
-    `group_ids[i]` names the prompt that sequence i answers (any hashable: str ids, ints). The std is
-    the sample (unbiased, ddof=1) std, as `torch.std` in verl's GRPO estimator; a group whose rewards
-    are all equal gets advantage 0 everywhere. `scale="none"` (Dr.GRPO) skips the division. A group
-    of one sequence has no baseline: `singleton="zero"` gives it 0 (no signal), `singleton="reward"`
-    gives it A = r (verl's behaviour: mean 0, std 1). Returns the kind of `rewards` (numpy float64
-    array, or a float tensor on the same device).
-    """
-    divisor = _lookup(ADVANTAGE_SCALES, scale, "advantage scale")
-    if singleton not in ("zero", "reward"):
-        raise ValueError(f"singleton must be 'zero' or 'reward', got {singleton!r}")
-    is_torch = isinstance(rewards, torch.Tensor)
-    r = (rewards.detach().cpu().numpy() if is_torch else np.asarray(rewards)).astype(np.float64)
-    if isinstance(group_ids, torch.Tensor):
-        group_ids = group_ids.tolist()
-    if r.ndim != 1 or len(group_ids) != len(r):
-        raise ValueError(
-            f"rewards must be [batch] matching group_ids, got {r.shape} vs {len(group_ids)}"
-        )
-
-    adv = np.zeros_like(r)
-    for idx in group_rows(group_ids).values():
-        group = r[idx]
-        if len(idx) == 1:
-            adv[idx] = group if singleton == "reward" else 0.0
-            continue
-        adv[idx] = (group - group.mean()) / divisor(float(group.std(ddof=1)), eps)
-
-    if not is_torch:
-        return adv
-    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    return torch.as_tensor(adv, dtype=dtype, device=rewards.device)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -144,7 +71,7 @@ def kl_loss(
 ) -> torch.Tensor:
     """`kl_k3` aggregated like the policy loss (`agg`, as verl's kl_loss with loss_agg_mode), so
     the KL and PG terms weigh tokens and sequences the same way."""
-    aggregate = _lookup(LOSS_AGGREGATIONS, agg, "loss aggregation")
+    aggregate = lookup(LOSS_AGGREGATIONS, agg, "loss aggregation")
     mask = mask.bool()
     return aggregate(kl_k3(logp, ref_logp, mask), mask, max_len)
 
@@ -258,7 +185,7 @@ def policy_loss(
     active), clip_frac_low / clip_frac_high (by side), approx_kl (mean old - new log-prob),
     ratio_mean, ratio_max, ratio_min (over valid tokens).
     """
-    aggregate = _lookup(LOSS_AGGREGATIONS, agg, "loss aggregation")
+    aggregate = lookup(LOSS_AGGREGATIONS, agg, "loss aggregation")
     mask = mask.bool()
     zeros = torch.zeros_like(logp)
     log_ratio = torch.where(mask, logp - old_logp, zeros)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlvr.algorithms.grpo import group_advantages
+from rlvr.algorithms.advantages import group_advantages
 from rlvr.training.batch import TrainBatch, build_batch
 from rlvr.training.rollouts import Rollouts
 

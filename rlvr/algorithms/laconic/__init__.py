@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rlvr.algorithms.grpo import group_advantages
+from rlvr.algorithms.advantages import group_advantages
 
 # eta = 0.002 is inferred from the paper's eta ablation (its eta=0.002 row of Table 6 equals
 # LACONIC B=1500 in Table 3); lam_max = 0.3 is the ceiling of its eta ablation (Sec. 5.3, Fig. 6);
