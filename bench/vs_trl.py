@@ -10,8 +10,9 @@ training.zero_stage=2` shows them). TRL runs in its own environment (`make trl-e
 a verifier pool of one actor) with the preset's training settings. Each side runs in a child
 process, the sides alternating over `--repeats`; the first `--warmup` steps of each child are
 left out and the table shows medians of the rest. Peak memory is the machine's (MemTotal -
-MemAvailable, every process and shared memory) above what it was before the child started,
-sampled every 0.2 s.
+MemAvailable, every process and shared memory) above what it was before the child started, and
+the child's own: anonymous and shared-memory PSS summed over its process tree (Ray's processes and
+actors included), which other jobs on the machine do not disturb; both sampled every 0.2 s.
 
     make trl-env
     .venv/bin/python bench/vs_trl.py --repeats 2 --steps 2
@@ -39,11 +40,18 @@ BEFORE = [
     "training.shared_prefix=false",
     "training.zero_stage=2",
 ]
-SIDES = {"trl": None, "project": [], "project-before": BEFORE}
+LEAN = ["training.gradient_checkpointing=true", "training.lm_head_chunk=256"]
+SIDES = {"trl": None, "project": [], "project-before": BEFORE, "project-lean": LEAN}
 """Each side and its project overrides: "project-before" turns off the trainer's optimisations
 (token-budget micro-batches, LM head at loss tokens, shared-prefix packs, ZeRO stage 0 on one
-rank): 8 rows per forward and full logits, as TRL runs them, under ZeRO-2."""
-LABELS = {"trl": "TRL GRPOTrainer", "project": "project", "project-before": "project, before"}
+rank): 8 rows per forward and full logits, as TRL runs them, under ZeRO-2. "project-lean" trades
+training time for memory: activation checkpointing and LM-head chunks of 256 loss tokens."""
+LABELS = {
+    "trl": "TRL GRPOTrainer",
+    "project": "project",
+    "project-before": "project, before",
+    "project-lean": "project, checkpointed",
+}
 PARTS = ("time_step", "time_generate", "time_train", "time_sync")
 
 
@@ -56,17 +64,59 @@ def memory_used_gib() -> float:
     return (kib["MemTotal"] - kib["MemAvailable"]) / 2**20
 
 
+def tree_pids(root: int) -> list[int]:
+    """`root` and every process descended from it (Ray's daemons and actors included)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(children.get(pid, []))
+    return pids
+
+
+def tree_memory_gib(root: int) -> float:
+    """Anonymous and shared-memory PSS summed over `root`'s process tree: the memory its
+    processes own (a shared page split among its mappers), whatever else runs on the machine;
+    file pages (mapped safetensors, libraries) are reclaimable cache and left out."""
+    kib = 0
+    for pid in tree_pids(root):
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        kib += sum(
+            int(line.split()[1])
+            for line in rollup.splitlines()
+            if line.startswith(("Pss_Anon:", "Pss_Shmem:"))
+        )
+    return kib / 2**20
+
+
 class PeakMemory:
-    """Samples `memory_used_gib` in a thread; `peak_above_idle` is the peak less the first sample."""
+    """Samples, in a thread, `memory_used_gib` (the machine) and, once `watch` names the child,
+    `tree_memory_gib` (the child's processes); peaks of both."""
 
     def __init__(self, every_s: float = 0.2):
         self.every_s, self.idle = every_s, memory_used_gib()
-        self.peak, self._stop = self.idle, threading.Event()
+        self.peak, self.tree_peak, self._stop = self.idle, 0.0, threading.Event()
+        self._root: int | None = None
         self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def watch(self, pid: int) -> None:
+        self._root = pid
 
     def _sample(self) -> None:
         while not self._stop.wait(self.every_s):
             self.peak = max(self.peak, memory_used_gib())
+            if self._root is not None:
+                self.tree_peak = max(self.tree_peak, tree_memory_gib(self._root))
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()
@@ -177,7 +227,9 @@ def run_child(side: str, args: argparse.Namespace, files: dict[str, Path]) -> di
     log = files["dir"] / f"{side}.log"
     t0 = time.perf_counter()
     with PeakMemory() as mem, log.open("a") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        mem.watch(proc.pid)
+        proc.wait()
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{side} failed (exit {proc.returncode}); its log: {log}")
@@ -187,6 +239,7 @@ def run_child(side: str, args: argparse.Namespace, files: dict[str, Path]) -> di
         "wall_s": wall,
         "outside_steps_s": wall - sum(r["time_step"] for r in records),
         "peak_gib": mem.peak_above_idle,
+        "tree_peak_gib": mem.tree_peak,
     }
 
 
@@ -198,6 +251,7 @@ def summarise(runs: list[dict]) -> dict[str, float]:
         out["time_forward"] = statistics.median(s["time_forward"] for s in steps)
     out["tokens_per_s"] = statistics.median(s["tokens_generated"] / s["time_step"] for s in steps)
     out["peak_gib"] = max(r["peak_gib"] for r in runs)
+    out["tree_peak_gib"] = max(r["tree_peak_gib"] for r in runs)
     out["outside_steps_s"] = statistics.median(r["outside_steps_s"] for r in runs)
     out["measured_steps"] = len(steps)
     return out
@@ -208,8 +262,8 @@ def format_table(result: dict[str, dict[str, float]], title: str) -> str:
         f"### {title}",
         "",
         "| | step s | generate s | train s | sync s | tokens/s (step) | peak GiB above idle | "
-        "start-up + exit s | steps |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "peak GiB, its processes | start-up + exit s | steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for side, r in result.items():
         train = f"{r['time_train']:.1f}"
@@ -218,6 +272,7 @@ def format_table(result: dict[str, dict[str, float]], title: str) -> str:
         lines.append(
             f"| {LABELS[side]} | {r['time_step']:.1f} | {r['time_generate']:.1f} | {train} | "
             f"{r['time_sync']:.1f} | {r['tokens_per_s']:.1f} | {r['peak_gib']:.2f} | "
+            f"{r['tree_peak_gib']:.2f} | "
             f"{r['outside_steps_s']:.0f} | {r['measured_steps']} |"
         )
     if "trl" in result:
@@ -229,7 +284,8 @@ def format_table(result: dict[str, dict[str, float]], title: str) -> str:
                     f"- {LABELS[side]}: step time TRL / it **{trl['time_step'] / r['time_step']:.2f}x** "
                     f"(training {trl['time_train'] / r['time_train']:.2f}x, generation "
                     f"{trl['time_generate'] / r['time_generate']:.2f}x); peak memory it / TRL "
-                    f"{r['peak_gib'] / trl['peak_gib']:.2f}."
+                    f"{r['peak_gib'] / trl['peak_gib']:.2f} (the machine's), "
+                    f"{r['tree_peak_gib'] / trl['tree_peak_gib']:.2f} (their processes')."
                 )
     return "\n".join(lines)
 
