@@ -88,8 +88,15 @@ class ControllerActor:
     ) -> dict[str, Any]:
         return self._csa().open_stream(name, StreamSpec.from_dict(spec), policy, scorer)
 
-    def csa_decide(self, name: str, score: float, source: str = "feedback") -> dict[str, Any]:
-        return self._csa().decide(name, score, source)
+    def csa_decide(
+        self,
+        name: str,
+        score: float,
+        source: str = "feedback",
+        policy: str | None = None,
+        experience: dict[str, list[int]] | None = None,
+    ) -> dict[str, Any]:
+        return self._csa().decide(name, score, source, policy, experience)
 
     def csa_observe(
         self, name: str, seq: int, passed: bool, source: str = "feedback"
@@ -104,6 +111,15 @@ class ControllerActor:
         trained_through: int | None = None,
     ) -> int:
         return self._csa().switch_versions(name, policy, scorer, trained_through)
+
+    def csa_publish(self, policy: str, trained_through: int, source: str) -> dict[str, int]:
+        return self._csa().publish(policy, trained_through, source)
+
+    def csa_versions(self, name: str) -> dict[str, str | None]:
+        return self._csa().versions(name)
+
+    def csa_closed_round(self, name: str, first: int, end: int) -> dict[str, Any] | None:
+        return self._csa().closed_round(name, first, end)
 
     def csa_status(self, name: str | None = None) -> dict[str, Any]:
         host = self._csa()

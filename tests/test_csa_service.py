@@ -193,6 +193,7 @@ def test_lost_snapshot_restarts_as_a_new_epoch_past_every_issued_seq(tmp_path, d
         "threshold": None,
         "epoch": 2,
         "versions": {"policy": "p1", "scorer": "g1"},
+        "served_policy": None,
     }
     # The restart itself is durable: a second restart resumes epoch 2 rather than starting epoch 3.
     assert CSAStreamHost(tmp_path, clock=clock).status("s")["epoch"] == 2
@@ -406,7 +407,7 @@ def test_a_snapshot_from_before_label_sources_restores(tmp_path):
     write_record(root / "s.state.json", record)
     (root / "s.journal").write_bytes(b"")
     old = CSAStreamHost(root, clock=Clock())
-    assert old.state("s")["rounds"] == [[1, 1000.0, None, "feedback"]]
+    assert old.state("s")["rounds"] == [[1, 1000.0, None, "feedback", None]]
     old.observe("s", 1, True)
     assert old.status("s")["applied"] == 2
 

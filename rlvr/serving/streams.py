@@ -8,9 +8,12 @@ request path) and is emptied by the next snapshot; snapshot + journal replay res
 exactly. `NAME.marker.json` is a small record of (spec, epoch, seq bound, versions) that outlives a
 lost or corrupt snapshot or journal: the stream then restarts as a new epoch past every seq it ever
 issued, never as fresh state with the full error budget (that would be repeated testing).
-`NAME.audit.jsonl` gets one line per applied round (seq, epoch, versions, score, threshold,
-action, label and its source), synced before the snapshot that applies it: a crash between the two
-may repeat a line when the label is sent again, never lose one (readers keep the last per seq).
+`NAME.audit.jsonl` gets one line per applied round (seq, epoch, versions, the policy that served
+it, score, threshold, action, label and its source), synced before the snapshot that applies it: a
+crash between the two may repeat a line when the label is sent again, never lose one (readers keep
+the last per seq). `NAME.experience.jsonl` keeps, for a round decided with one, the served prompt
+and response token ids (what live learning trains on; `closed_round`), synced before its journal
+line.
 Lines with an "event" key are not rounds: "epoch" marks every epoch start after the first (its
 first seq and reason: schedule, scorer, brier, config_changed, operator, snapshot_lost) and
 "warm_start" a warm start's pre-deployment rounds.
@@ -40,6 +43,7 @@ _STATE_SUFFIX = ".state.json"
 _MARKER_SUFFIX = ".marker.json"
 _JOURNAL_SUFFIX = ".journal"
 _AUDIT_SUFFIX = ".audit.jsonl"
+_EXPERIENCE_SUFFIX = ".experience.jsonl"
 LABEL_SOURCES = ("feedback", "shadow")
 """Who labels a round, fixed when it is decided: POST /v1/feedback, or the shadow verifier."""
 
@@ -50,6 +54,10 @@ class UnknownStreamError(CSAError):
 
 class LabelSourceError(CSAError):
     """A label from a source other than the one fixed for its round (maps to HTTP 409)."""
+
+
+class PredictabilityError(CSAError):
+    """A round served by a policy trained on its own label or a later one (rule R2 broken)."""
 
 
 class StreamStateError(RuntimeError):
@@ -170,6 +178,8 @@ class _Round:
     decided_at: float
     threshold: float | None
     source: str
+    policy: str | None = None
+    """The policy version that generated the round's answer, as its replica reported it."""
 
 
 class _Stream:
@@ -279,26 +289,57 @@ class CSAStreamHost:
 
     # ----------------------------------------------------------------- rounds
 
-    def decide(self, name: str, score: float, source: str = "feedback") -> dict[str, Any]:
+    def decide(
+        self,
+        name: str,
+        score: float,
+        source: str = "feedback",
+        policy: str | None = None,
+        experience: dict[str, list[int]] | None = None,
+    ) -> dict[str, Any]:
         """Issue the next seq of stream `name` and decide release for calibrated `score`; only
         `source` (one of LABEL_SOURCES) may label the round.
 
-        Returns seq, release, threshold (None = nothing certified), epoch and the versions serving
-        this round; the round is durable before this returns.
+        `policy` is the version that generated the answer: one trained on labels up to seq k may
+        serve only seqs above k (rule R2), else PredictabilityError and nothing is issued.
+        `experience` ({"prompt_ids", "response_ids"}: the served answer) is kept for live
+        learning. Returns seq, release, threshold (None = nothing certified), epoch, the versions
+        published for this round and the serving policy; the round is durable before this returns.
         """
         if source not in LABEL_SOURCES:
             raise ValueError(f"label source must be one of {LABEL_SOURCES}, got {source!r}")
         stream = self._get(name)
         self._expire(stream)
+        if policy is not None:
+            trained = stream.ctrl.trained_through(policy)
+            next_seq = stream.ctrl.state_dict()["next_seq"]
+            if trained is not None and trained >= next_seq:
+                raise PredictabilityError(
+                    f"policy {policy} was trained on labels up to seq {trained} and may not "
+                    f"serve seq {next_seq} (rule R2)"
+                )
         decision = stream.ctrl.decide(score)
         now = self.clock()
-        stream.rounds[decision.seq] = _Round(now, decision.threshold, source)
+        stream.rounds[decision.seq] = _Round(now, decision.threshold, source, policy)
         self._audit(stream)  # sparse mode applies unverified rounds at decision time
         _prune(stream)
         self._cover(stream)
-        self._append(
-            stream, {"seq": decision.seq, "score": float(score), "time": now, "source": source}
-        )
+        if experience is not None:
+            self._write_lines(
+                self.experience_path(name),
+                [
+                    {
+                        "seq": decision.seq,
+                        "policy": policy,
+                        "prompt_ids": [int(t) for t in experience["prompt_ids"]],
+                        "response_ids": [int(t) for t in experience["response_ids"]],
+                    }
+                ],
+            )
+        entry = {"seq": decision.seq, "score": float(score), "time": now, "source": source}
+        if policy is not None:
+            entry["policy"] = policy
+        self._append(stream, entry)
         return {
             "stream": name,
             "seq": decision.seq,
@@ -306,6 +347,7 @@ class CSAStreamHost:
             "threshold": decision.threshold,
             "epoch": stream.ctrl.epoch,
             "versions": stream.ctrl.versions_at(decision.seq),
+            "served_policy": policy,
         }
 
     def observe(
@@ -393,6 +435,57 @@ class CSAStreamHost:
         self._persist(stream)
         return n0
 
+    def publish(self, policy: str, trained_through: int, source: str) -> dict[str, int]:
+        """Deploy `policy`, trained on the labels of stream `source` up to seq `trained_through`,
+        on every stream at its next seq (rules R1-R2; idempotent: a stream already switched to
+        it is left as is). Returns each stream's boundary seq."""
+        self._get(source)
+        boundaries = {}
+        for name in self.stream_names():
+            stream = self._get(name)
+            if stream.ctrl.versions["policy"] == policy:
+                boundaries[name] = next(
+                    v["seq"]
+                    for v in reversed(stream.ctrl.state_dict()["versions"])
+                    if v["policy"] == policy
+                )
+                continue
+            boundaries[name] = self.switch_versions(
+                name, policy=policy, trained_through=trained_through if name == source else None
+            )
+        return boundaries
+
+    def versions(self, name: str) -> dict[str, str | None]:
+        """Policy and scorer versions published for the next seq of `name`."""
+        return self._get(name).ctrl.versions
+
+    def closed_round(self, name: str, first: int, end: int) -> dict[str, Any] | None:
+        """Seqs first..end-1 of `name` once every one of them is applied (None before): their
+        labels, and the kept prompt/response of each round that passed (Expert Iteration trains
+        on those alone; arXiv:2605.20270 Sec. 6.2)."""
+        stream = self._get(name)
+        self._expire(stream)
+        if not 0 <= first < end:
+            raise ValueError(f"empty or negative seq range [{first}, {end})")
+        if stream.ctrl.next_apply < end:
+            return None
+        labels = {
+            line["seq"]: line["label"]
+            for line in _read_lines(self.audit_path(name))
+            if "event" not in line and first <= line["seq"] < end
+        }
+        experience = {
+            line["seq"]: line
+            for line in _read_lines(self.experience_path(name))
+            if first <= line["seq"] < end
+        }
+        passed = [seq for seq in range(first, end) if labels.get(seq) == "pass"]
+        return {
+            "labels": {seq: labels.get(seq) for seq in range(first, end)},
+            "pairs": [experience[seq] for seq in passed if seq in experience],
+            "passed_without_experience": [seq for seq in passed if seq not in experience],
+        }
+
     # ----------------------------------------------------------------- inspection
 
     def status(self, name: str) -> dict[str, Any]:
@@ -421,6 +514,10 @@ class CSAStreamHost:
     def audit_path(self, name: str) -> Path:
         """The append-only record of the applied rounds of `name` (JSON lines)."""
         return self.root / f"{name}{_AUDIT_SUFFIX}"
+
+    def experience_path(self, name: str) -> Path:
+        """The served prompts and answers of `name`'s rounds, one JSON line per seq."""
+        return self.root / f"{name}{_EXPERIENCE_SUFFIX}"
 
     def state(self, name: str) -> dict[str, Any]:
         """The stream exactly as persisted (controller snapshot, open-round times, restarts)."""
@@ -470,7 +567,8 @@ class CSAStreamHost:
             "spec": stream.spec.to_dict(),
             "controller": stream.ctrl.state_dict(),
             "rounds": [
-                [seq, r.decided_at, r.threshold, r.source] for seq, r in stream.rounds.items()
+                [seq, r.decided_at, r.threshold, r.source, r.policy]
+                for seq, r in stream.rounds.items()
             ],
             "restarts": [dict(r) for r in stream.restarts],
             "audited_epochs": stream.audited_epochs,
@@ -541,6 +639,7 @@ class CSAStreamHost:
                     "epoch": r.epoch,
                     "in_epoch": r.epoch == stream.ctrl.epoch,
                     "versions": stream.ctrl.versions_at(r.seq),
+                    "served_policy": None if open_round is None else open_round.policy,
                     "score": r.score,
                     "threshold": None if open_round is None else open_round.threshold,
                     "action": "release" if r.released else "abstain",
@@ -566,8 +665,13 @@ class CSAStreamHost:
 
     def _write_audit(self, stream: _Stream, lines: list[dict[str, Any]]) -> None:
         """Append records to the audit file of `stream`, one JSON line each, and sync them."""
+        self._write_lines(self.audit_path(stream.name), lines)
+
+    @staticmethod
+    def _write_lines(path: Path, lines: list[dict[str, Any]]) -> None:
+        """Append records to `path`, one JSON line each, and sync them."""
         text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
-        with open(self.audit_path(stream.name), "a") as f:
+        with open(path, "a") as f:
             f.write(text)
             f.flush()
             os.fdatasync(f.fileno())
@@ -643,7 +747,9 @@ def _replay(stream: _Stream, entries: list[dict[str, Any]]) -> None:
         if decided.seq != seq:
             raise ValueError(f"replayed decision got seq {decided.seq}, journal says {seq}")
         source = entry.get("source", "feedback")
-        stream.rounds[seq] = _Round(float(entry["time"]), decided.threshold, source)
+        stream.rounds[seq] = _Round(
+            float(entry["time"]), decided.threshold, source, entry.get("policy")
+        )
         # Rounds sparse mode applies on replay, and scheduled epochs, were audited when first
         # decided (the audit line is synced before the journal line).
         stream.ctrl.applied_rounds.clear()
@@ -657,10 +763,11 @@ def _read_rounds(state: dict[str, Any]) -> dict[int, _Round]:
     if "rounds" not in state:
         return {int(s): _Round(float(t), None, "feedback") for s, t in state["decided_at"]}
     rounds = {}
-    for seq, t, threshold, source in state["rounds"]:
+    for seq, t, threshold, source, *policy in state["rounds"]:
         if source not in LABEL_SOURCES:
             raise ValueError(f"round {seq}: unknown label source {source!r}")
-        rounds[int(seq)] = _Round(float(t), None if threshold is None else float(threshold), source)
+        threshold = None if threshold is None else float(threshold)
+        rounds[int(seq)] = _Round(float(t), threshold, source, *policy)
     return rounds
 
 
@@ -669,6 +776,20 @@ def _prune(stream: _Stream) -> None:
     head = stream.ctrl.blocking_seq
     for seq in [s for s in stream.rounds if head is None or s < head]:
         del stream.rounds[seq]
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of an append-only file (none if it does not exist; a torn last line, the
+    write a crash interrupted, is skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 def _try_read(path: Path) -> tuple[dict[str, Any] | None, str]:

@@ -447,6 +447,8 @@ class CSAController:
             "policy": current["policy"] if policy is None else str(policy),
             "scorer": current["scorer"] if scorer is None else str(scorer),
         }
+        if trained_through is not None:
+            new["trained_through"] = int(trained_through)
         boundary = self._next_seq
         if self._versions and self._versions[-1]["seq"] == boundary:
             self._versions[-1].update(new)
@@ -464,6 +466,21 @@ class CSAController:
     def versions(self) -> dict[str, str | None]:
         """Policy and scorer versions serving the next seq (None before the first switch)."""
         return self.versions_at(self._next_seq)
+
+    def trained_through(self, policy: str) -> int | None:
+        """The last seq whose label trained `policy` (as its switch declared; None: none did,
+        e.g. the policy deployed at start). Rule R2: it may serve only later seqs."""
+        seqs = [
+            v["trained_through"]
+            for v in self._versions
+            if v["policy"] == policy and v.get("trained_through") is not None
+        ]
+        return max(seqs) if seqs else None
+
+    @property
+    def next_apply(self) -> int:
+        """Every seq below this one is applied (its label is in the e-processes or counters)."""
+        return self._next_apply
 
     def versions_at(self, seq: int) -> dict[str, str | None]:
         """Policy and scorer versions that served `seq`."""
