@@ -92,6 +92,11 @@ class PolicyActor:
         self.trainer.save_checkpoint(directory)
         return str(Path(directory))
 
+    def save_adapter(self, directory: str) -> str:
+        """The PEFT LoRA adapter alone (live updates publish it)."""
+        self.trainer.save_adapter(directory)
+        return str(Path(directory))
+
     def weight_sync_address(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         """Policy rank 0: serve the weight group's rendezvous on this rank's address; returns the
         (address, port) the engines join (`rlvr.training.weight_sync`)."""

@@ -170,7 +170,7 @@ def test_vote_takes_the_first_majority_sample():
 def test_response_bodies():
     decision = {"seq": 5, "release": False, "threshold": 0.2, "epoch": 1, "versions": {"p": 1}}
     v = vote(["\\boxed{3}", "\\boxed{3}"])
-    csa = csa_object(decision, "s", 0.25, v, 2, "feedback")
+    csa = csa_object(decision, "s", 0.25, v, 2, "feedback", "live-0@abc")
     assert csa == {
         "stream": "s",
         "seq": 5,
@@ -182,6 +182,7 @@ def test_response_bodies():
         "answer": None,
         "epoch": 1,
         "versions": {"p": 1},
+        "policy_version": "live-0@abc",
         "verification": "feedback",
     }
     ungated = csa_object(None, "s", 0.25, v, 2, "none")

@@ -9,6 +9,15 @@ verification for requests with metadata.reference (a VerifierActor pool, applied
 otherwise POST /v1/feedback with the operator key; a label overdue past the stream's timeout
 counts as a failure. Prompts are rendered as the calibration rendered its own, and every sample
 uses the calibrated K, temperature, top_p and max_tokens: the score has one definition per epoch.
+
+With `live.enabled`, the driver also runs the live updater (`workflows.live`): every
+`live.round_size` closed rounds of the live stream become a LoRA update, published at a seq
+boundary. Each replica starts on the newest published version, and a thread of its own looks for
+a newer one every `live.poll_s` seconds, merges the adapter into the base weights off the request
+path and swaps the engine's weights between two generations, so a request waits at most one
+weight swap longer. Every answer names the policy version that generated it, and the stream
+records it per round (rule R1); a version trained on labels up to seq k serves only later seqs
+(R2, checked by the stream owner).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -61,6 +71,7 @@ from rlvr.serving.api import (
     vote,
 )
 from rlvr.serving.config import ServeConfig
+from rlvr.serving.live import UPDATER_FILE, UpdaterState, merged_lora_weights
 from rlvr.serving.streams import LabelSourceError, StreamSpec, UnknownStreamError
 from rlvr.tasks.prompts import render_messages, render_text
 from rlvr.training.rendezvous import LOOPBACK, bind_collectives
@@ -94,6 +105,12 @@ class ServeSettings:
     access: AccessPolicy
     max_held_requests: int
     gate: bool = True
+    policy: str = ""
+    """The version of `model_dir`'s weights (its fingerprint)."""
+    live_stream: str | None = None
+    """Where published live versions are read (None: the served weights never change)."""
+    live_dir: str | None = None
+    live_poll_s: float = 5.0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ServeSettings:
@@ -199,6 +216,10 @@ def prepare_serve(cfg: ServeConfig) -> PreparedServe:
         verifier=cfg.verifier.model_dump() if cfg.verifier.enabled else None,
         access=access,
         max_held_requests=cfg.replicas.max_ongoing_requests,
+        policy=policy,
+        live_stream=cfg.live_stream() if cfg.live.enabled else None,
+        live_dir=str(cfg.live_dir().resolve()) if cfg.live.enabled else None,
+        live_poll_s=cfg.live.poll_s,
     )
     return PreparedServe(
         settings, specs, policy, calibration.version, cfg.state_dir(), operator_key_source
@@ -296,6 +317,13 @@ class CSAServer:
         self._tasks: set[asyncio.Task] = set()
         self._held = 0  # completion requests in this replica (generating or waiting)
         self._generate_s = 1.0  # moving average of one generation, for Retry-After
+        # The version the engine holds; the engine lock covers a generation or a weight swap.
+        self.policy = self.s.policy
+        self._engine_lock = threading.Lock()
+        self._stop = threading.Event()
+        if self.s.live_stream is not None and self.controller is not None:
+            self._switch_to(self._published())  # a (re)started replica serves the newest
+            threading.Thread(target=self._follow_published, daemon=True).start()
 
     # ----------------------------------------------------------------- routes
 
@@ -403,7 +431,7 @@ class CSAServer:
                 code="context_length_exceeded",
             )
         start = time.perf_counter()
-        samples = await self._sample(prompt_ids, ask.max_tokens, ask.seed)
+        samples, policy = await self._sample(prompt_ids, ask.max_tokens, ask.seed)
         timing["generate"] = time.perf_counter() - start
         self._generate_s = 0.8 * self._generate_s + 0.2 * timing["generate"]
         start = time.perf_counter()
@@ -414,14 +442,22 @@ class CSAServer:
         if self.s.gate:
             start = time.perf_counter()
             source = "feedback" if ask.reference is None else "shadow"
-            decision = await self._controller("csa_decide", ask.stream, score, source)
+            experience = None
+            if self.s.live_stream == ask.stream:
+                experience = {
+                    "prompt_ids": prompt_ids,
+                    "response_ids": samples[v.index].token_ids,
+                }
+            decision = await self._controller(
+                "csa_decide", ask.stream, score, source, policy, experience
+            )
             if ask.reference is not None:
                 self._spawn(
                     self._shadow_verify(ask.stream, decision["seq"], v.answer, ask.reference)
                 )
             timing["gate"] = time.perf_counter() - start
         verification = "none" if decision is None else "shadow" if ask.reference else "feedback"
-        csa = csa_object(decision, ask.stream, score, v, len(samples), verification)
+        csa = csa_object(decision, ask.stream, score, v, len(samples), verification, policy)
         content = samples[v.index].text if csa["released"] else self.s.fallback
         return completion_body(
             kind,
@@ -456,15 +492,59 @@ class CSAServer:
             raise ApiError(400, "the prompt is empty", param="prompt")
         return ids
 
-    async def _sample(self, prompt_ids: list[int], max_tokens: int, seed: int | None) -> list:
+    async def _sample(
+        self, prompt_ids: list[int], max_tokens: int, seed: int | None
+    ) -> tuple[list, str]:
+        """The calibrated K samples, and the policy version that drew them."""
         cal = self.calibration
         request = GenerationRequest(
             prompt_ids=prompt_ids, n=cal.k, seed=secrets.randbits(62) if seed is None else seed
         )
         params = SamplingParams(temperature=cal.temperature, top_p=cal.top_p, max_tokens=max_tokens)
         async with self._generate_lock:
-            [result] = await asyncio.to_thread(self.backend.generate, [request], params)
-        return result.samples
+            return await asyncio.to_thread(self._generate, request, params)
+
+    def _generate(self, request: GenerationRequest, params: SamplingParams) -> tuple[list, str]:
+        with self._engine_lock:
+            [result] = self.backend.generate([request], params)
+            return result.samples, self.policy
+
+    # ----------------------------------------------------------------- live versions
+
+    def _published(self) -> str | None:
+        """The policy version published for the live stream's next seq."""
+        return ray.get(self.controller.csa_versions.remote(self.s.live_stream))["policy"]
+
+    def _follow_published(self) -> None:
+        """Thread: every `live_poll_s`, switch to the newest published version."""
+        while not self._stop.wait(self.s.live_poll_s):
+            try:
+                self._switch_to(self._published())
+            except Exception:  # the controller restarting, a version still being written: retry
+                log.exception("could not switch to the published version; retrying")
+
+    def _switch_to(self, version: str | None) -> None:
+        """Merge `version`'s adapter into the base weights (no lock held), then swap them in
+        between two generations."""
+        if version is None or version == self.policy:
+            return
+        start = time.perf_counter()
+        adapter = Path(self.s.live_dir) / "versions" / version.replace("@", "-")
+        weights = list(merged_lora_weights(Path(self.s.model_dir), adapter))
+        merged = time.perf_counter()
+        with self._engine_lock:
+            self.backend.load_weights(weights)
+            previous, self.policy = self.policy, version
+        log.info(
+            "switched %s -> %s (merge %.2f s, swap %.2f s)",
+            previous,
+            version,
+            merged - start,
+            time.perf_counter() - merged,
+        )
+
+    def __del__(self) -> None:
+        self._stop.set()
 
     async def _controller(self, method: str, *args: Any) -> Any:
         """Call the stream owner, mapping refusals to 4xx and an unreachable owner to 503."""
@@ -566,10 +646,13 @@ def start_serving(
         }
     )
     controller = ensure_controller(cfg, prepared.state_dir)
+    # A live deployment restarts on its newest published version, not back on the base weights.
+    policy = prepared.policy
+    if cfg.live.enabled:
+        latest = UpdaterState.load(cfg.live_dir() / UPDATER_FILE).latest
+        policy = latest["policy"] if latest is not None else policy
     for name, spec in prepared.specs.items():
-        opened = ray.get(
-            controller.csa_open.remote(name, spec.to_dict(), prepared.policy, prepared.scorer)
-        )
+        opened = ray.get(controller.csa_open.remote(name, spec.to_dict(), policy, prepared.scorer))
         log.info(
             "stream %s: epoch %d, next seq %d, threshold %s",
             name,
@@ -584,7 +667,7 @@ def start_serving(
 def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
     """`rlvr serve`: run until interrupted (Ctrl-C also during start-up), then shut Serve down
     (stream state stays on disk)."""
-    controller = None
+    controller = updater = None
     try:
         # The stream owner lives as long as this driver holds a handle to it.
         controller = start_serving(cfg, prepared)
@@ -594,11 +677,34 @@ def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
             f"/v1/feedback and /v1/csa/status: {prepared.operator_key_source})",
             flush=True,
         )
+        if not cfg.live.enabled:
+            while True:
+                time.sleep(3600)
+        from workflows.live import LiveUpdater
+
+        updater = LiveUpdater(cfg, prepared.settings.model_dir, controller)
+        print(
+            f"live updates: every {cfg.live.round_size} rounds of stream {cfg.live_stream()} "
+            f"(adapters in {cfg.live_dir()})",
+            flush=True,
+        )
         while True:
-            time.sleep(3600)
+            try:
+                records = updater.poll()
+            except RayActorError as err:
+                # Its progress is on disk: a new updater resumes after the last published round.
+                log.warning("live updater lost (%s); restarting it", type(err).__name__)
+                updater = LiveUpdater(cfg, prepared.settings.model_dir, controller)
+                continue
+            for record in records:
+                update = record["policy"] or "no update"
+                print(f"live round {record['round']}: {record['pairs']} pairs -> {update}")
+            time.sleep(cfg.live.poll_s)
     except KeyboardInterrupt:
         pass
     finally:
         serve.shutdown()
+        if updater is not None:
+            updater.close()
         if controller is not None:
             ray.kill(controller, no_restart=True)

@@ -332,10 +332,13 @@ def csa_object(
     vote_: Vote,
     k: int,
     verification: str,
+    policy: str | None = None,
 ) -> dict[str, Any]:
     """The `csa` field of every completion: the decision, its inputs and the versions used.
 
-    `decision` is the stream's reply (None when the gate is off: everything is released).
+    `decision` is the stream's reply (None when the gate is off: everything is released);
+    `policy` the version that generated the answer (live updates may differ from `versions`,
+    the one published for the seq, while a replica has not switched yet).
     """
     released = True if decision is None else bool(decision["release"])
     return {
@@ -349,6 +352,7 @@ def csa_object(
         "answer": vote_.answer if released else None,
         "epoch": None if decision is None else decision["epoch"],
         "versions": None if decision is None else decision["versions"],
+        "policy_version": policy,
         "verification": verification,
     }
 

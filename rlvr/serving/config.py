@@ -14,6 +14,7 @@ from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 from rlvr.config import (
     ConfigError,
+    LoraConfig,
     Section,
     apply_overrides,
     format_validation_error,
@@ -196,6 +197,49 @@ class ServeVerifierConfig(Section):
     timeout_s: float = Field(5.0, gt=0.0, description="Hard per-item verification timeout.")
 
 
+def _live_lora() -> LoraConfig:
+    """The paper's live-cell adapter (arXiv:2605.20270 Sec. 6.2): r 16, alpha 32, q/k/v/o."""
+    return LoraConfig(
+        enabled=True, r=16, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+
+class ServeLiveConfig(Section):
+    enabled: bool = Field(
+        False,
+        description="Live learning (CSA Sec. 6.2): every round_size requests of `stream`, a LoRA "
+        "update trained on that round's verifier-correct answers (Expert Iteration) is published "
+        "and the replicas switch to it at a seq boundary (rules R1-R2).",
+    )
+    stream: str | None = Field(
+        None, description="Stream whose verified rounds train the model (None: the first)."
+    )
+    round_size: int = Field(100, gt=0, description="Requests per Expert-Iteration round.")
+    epochs: int = Field(2, gt=0, description="Passes over a round's correct pairs per update.")
+    batch_size: int = Field(4, gt=0, description="Pairs per optimizer step.")
+    lr: float = Field(1e-5, gt=0.0, description="Adam learning rate of the LoRA update.")
+    lora: LoraConfig = Field(default_factory=_live_lora, description="The trained adapter.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage of the updater.")
+    threads: int = Field(1, gt=0, description="Torch threads of the updater's policy rank.")
+    cpus: float = Field(1.0, ge=0.0, description="CPUs reserved for the updater's policy rank.")
+    poll_s: float = Field(
+        5.0,
+        gt=0.0,
+        description="Seconds between the updater's looks for closed rounds, and between a "
+        "replica's looks for a published version.",
+    )
+    seed: int = Field(0, description="Seed of the adapter's init and of each round's shuffles.")
+    dir: str | None = Field(
+        None, description="Published adapters and the updater's state (default: runs/<name>/live)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ServeLiveConfig:
+        if self.enabled and not self.lora.enabled:
+            raise ValueError("lora.enabled: live updates train a LoRA adapter; it must be true")
+        return self
+
+
 class ServeConfig(Section):
     name: str = Field("serve", min_length=1, description="Deployment name (actor and state).")
     model: ServeModelConfig = Field(default_factory=ServeModelConfig)
@@ -204,10 +248,26 @@ class ServeConfig(Section):
     http: ServeHTTPConfig = Field(default_factory=ServeHTTPConfig)
     replicas: ReplicasConfig = Field(default_factory=ReplicasConfig)
     verifier: ServeVerifierConfig = Field(default_factory=ServeVerifierConfig)
+    live: ServeLiveConfig = Field(default_factory=ServeLiveConfig)
+
+    @model_validator(mode="after")
+    def _check_live(self) -> ServeConfig:
+        names = [s.name for s in self.csa.streams]
+        if self.live.stream is not None and self.live.stream not in names:
+            raise ValueError(f"live.stream: {self.live.stream!r} is not one of the streams {names}")
+        return self
 
     def state_dir(self) -> Path:
         """Where the ControllerActor keeps the durable streams."""
         return Path(self.csa.state_dir or Path("runs") / self.name / "csa")
+
+    def live_dir(self) -> Path:
+        """Where the live updater keeps its adapters and progress."""
+        return Path(self.live.dir or Path("runs") / self.name / "live")
+
+    def live_stream(self) -> str:
+        """The stream whose verified rounds train the live updates."""
+        return self.live.stream or self.csa.streams[0].name
 
     def vllm_on_cpu(self) -> bool:
         """Whether generation runs on vLLM's CPU backend (replicas hold no GPUs)."""

@@ -726,13 +726,21 @@ class PolicyTrainer:
         directory = Path(directory)
         weights = self.export_weights()
         if self.use_lora:
-            adapters = [p for p in self.engine.module.parameters() if p.requires_grad]
-            with self._gathered(adapters):
-                if self.rank == 0:
-                    self.engine.module.save_pretrained(directory / "adapter")
+            self.save_adapter(directory / "adapter")
         if self.rank == 0:
             self._hf_model.save_pretrained(directory, state_dict=weights)
             self.tokenizer.save_pretrained(directory)
+        dist.barrier()
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Write the PEFT LoRA adapter alone (`adapter_config.json`, `adapter_model.safetensors`);
+        every rank must call it."""
+        if not self.use_lora:
+            raise ValueError("save_adapter needs a LoRA policy (model.lora.enabled)")
+        adapters = [p for p in self.engine.module.parameters() if p.requires_grad]
+        with self._gathered(adapters):
+            if self.rank == 0:
+                self.engine.module.save_pretrained(directory)
         dist.barrier()
 
     def save_state(self, directory: str | Path) -> None:

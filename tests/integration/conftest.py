@@ -186,3 +186,22 @@ class RunControl:
 @pytest.fixture
 def run_control() -> RunControl:
     return RunControl()
+
+
+@pytest.fixture(scope="session")
+def sft_model() -> Path:
+    """The SFT-warmed tiny model of configs/tiny.yaml (cached after the first build)."""
+    from rlvr.config import load_config
+    from workflows.train import prepare
+
+    return prepare(load_config(TINY))[0]
+
+
+@pytest.fixture(scope="session")
+def problems():
+    """The tiny task's held-out problems and its instruction."""
+    from rlvr.config import load_config
+    from rlvr.tasks import load_task
+
+    cfg = load_config(TINY)
+    return load_task(cfg.task)[1], cfg.task.instruction

@@ -21,10 +21,8 @@ import pytest
 import yaml
 
 from rlvr.algorithms.csa import Calibrator, CSAController, make_grid
-from rlvr.config import load_config
 from rlvr.serving.api import Calibration, boxed, checkpoint_fingerprint
 from rlvr.serving.fuzz import CATEGORIES, Credentials, fuzz_cases, tally
-from rlvr.tasks import load_task
 from rlvr.tasks.prompts import prompt_messages
 from rlvr.verifiers.extract import extract_answer
 from rlvr.verifiers.math import verify_math
@@ -39,20 +37,6 @@ CLIENT_KEY = "client-key-for-the-tests-0001"
 OPERATOR_KEY = "operator-key-for-the-tests-0001"
 CLIENT = {"authorization": f"Bearer {CLIENT_KEY}"}
 OPERATOR = {"authorization": f"Bearer {OPERATOR_KEY}"}
-
-
-@pytest.fixture(scope="module")
-def sft_model() -> Path:
-    """The SFT-warmed tiny model of configs/tiny.yaml (cached after the first build)."""
-    from workflows.train import prepare
-
-    return prepare(load_config(TINY))[0]
-
-
-@pytest.fixture(scope="module")
-def problems():
-    cfg = load_config(TINY)
-    return load_task(cfg.task)[1], cfg.task.instruction
 
 
 def free_port() -> int:
