@@ -82,6 +82,10 @@ def g0_streams(
     )
 
 
+EI_ROUND = 100
+"""Requests per Expert-Iteration round in the live protocol (arXiv:2605.20270 Sec. 6.2)."""
+
+
 def _halves(horizon: int, first: float, second: float) -> np.ndarray:
     out = np.full(horizon, first)
     out[horizon // 2 :] = second
@@ -92,6 +96,8 @@ def synthetic_cell(name: str, n_streams: int, horizon: int, seed: int) -> Stream
     """Named G0 cells (ours, beside the paper's App. G setting).
 
     iid: c = 0.5. improving: c rises 0.4 -> 0.6 (frontier nondecreasing, Thm C.1 applies).
+    expert_iteration: the live protocol of Sec. 6.2, the policy constant within each round of
+    `EI_ROUND` requests and better after each update: c steps up from 0.4 to 0.6 between rounds.
     degrading: c falls 0.6 -> 0.4. abrupt: c = 0.6, then 0.35 from T/2. covariate: s ~ U(0, .5),
     then U(.75, 1) from T/2, c = 0.5. alternating: 100-round blocks of s ~ U(0, .5) and U(.5, 1).
     The last four break the nondecreasing-frontier assumption on purpose.
@@ -101,6 +107,10 @@ def synthetic_cell(name: str, n_streams: int, horizon: int, seed: int) -> Stream
         return g0_streams(n_streams, horizon, seed)
     if name == "improving":
         return g0_streams(n_streams, horizon, seed, centre=np.linspace(0.4, 0.6, horizon))
+    if name == "expert_iteration":
+        rounds = t // EI_ROUND
+        centre = 0.4 + 0.2 * rounds / max(1, rounds[-1])
+        return g0_streams(n_streams, horizon, seed, centre=centre)
     if name == "degrading":
         return g0_streams(n_streams, horizon, seed, centre=np.linspace(0.6, 0.4, horizon))
     if name == "abrupt":
@@ -116,7 +126,15 @@ def synthetic_cell(name: str, n_streams: int, horizon: int, seed: int) -> Stream
     raise ValueError(f"unknown synthetic cell {name!r}; choose one of {SYNTHETIC_CELLS}")
 
 
-SYNTHETIC_CELLS = ("iid", "improving", "degrading", "abrupt", "covariate", "alternating")
+SYNTHETIC_CELLS = (
+    "iid",
+    "improving",
+    "degrading",
+    "abrupt",
+    "covariate",
+    "alternating",
+    "expert_iteration",
+)
 
 
 def flip_labels(passed: np.ndarray, p: float, seed: int) -> np.ndarray:
