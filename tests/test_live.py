@@ -77,6 +77,22 @@ def test_published_versions_serve_only_later_seqs_and_publishing_is_idempotent(t
     history = host.status("s")["version_history"]
     assert history[-1] == {"seq": 3, "policy": "live-0@a", "scorer": "g", "trained_through": 1}
     assert "trained_through" not in host.status("other")["version_history"][-1]
+    # The switch is an event in each stream's audit trail (published once: the repeat is a no-op).
+    events = [
+        json.loads(line)
+        for line in host.audit_path("s").read_text().splitlines()
+        if '"event"' in line
+    ]
+    assert events == [
+        {
+            "event": "version",
+            "at_seq": 3,
+            "policy": "live-0@a",
+            "scorer": "g",
+            "trained_through": 1,
+            "time": 1000.0,
+        }
+    ]
     # R2: a policy trained through seq 1 may serve seq 3; a replica still on the old one may too.
     assert host.decide("s", 0.1, policy="live-0@a")["served_policy"] == "live-0@a"
     assert host.decide("s", 0.1, policy="base")["seq"] == 4

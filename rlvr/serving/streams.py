@@ -15,8 +15,9 @@ the last per seq). `NAME.experience.jsonl` keeps, for a round decided with one, 
 and response token ids (what live learning trains on; `closed_round`), synced before its journal
 line.
 Lines with an "event" key are not rounds: "epoch" marks every epoch start after the first (its
-first seq and reason: schedule, scorer, brier, config_changed, operator, snapshot_lost) and
-"warm_start" a warm start's pre-deployment rounds.
+first seq and reason: schedule, scorer, brier, config_changed, operator, snapshot_lost),
+"warm_start" a warm start's pre-deployment rounds and "version" a policy or scorer switch (its
+first seq and, for a live update, the last seq that trained it).
 """
 
 from __future__ import annotations
@@ -389,13 +390,17 @@ class CSAStreamHost:
         scorer: str | None = None,
         trained_through: int | None = None,
     ) -> int:
-        """Record a policy/scorer switch at the next seq of `name`; returns that seq (see
-        `CSAController.switch_versions`)."""
+        """Record a policy/scorer switch at the next seq of `name`, with an `"event": "version"`
+        line in the audit file; returns that seq (see `CSAController.switch_versions`)."""
         stream = self._get(name)
         self._expire(stream)
         boundary = stream.ctrl.switch_versions(
             policy=policy, scorer=scorer, trained_through=trained_through
         )
+        event = {"event": "version", "at_seq": boundary, **stream.ctrl.versions}
+        if trained_through is not None:
+            event["trained_through"] = trained_through
+        self._write_audit(stream, [event | {"time": self.clock()}])
         self._persist(stream)
         return boundary
 
