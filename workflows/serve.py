@@ -698,7 +698,9 @@ def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
                 continue
             for record in records:
                 update = record["policy"] or "no update"
-                print(f"live round {record['round']}: {record['pairs']} pairs -> {update}")
+                print(
+                    f"live round {record['round']}: {record['pairs']} pairs -> {update}", flush=True
+                )
             time.sleep(cfg.live.poll_s)
     except KeyboardInterrupt:
         pass

@@ -205,3 +205,21 @@ def problems():
 
     cfg = load_config(TINY)
     return load_task(cfg.task)[1], cfg.task.instruction
+
+
+@pytest.fixture(scope="session")
+def fixed_calibration():
+    """A served score map raw -> 0.05 + 0.25 raw (K 4, T 0.7, 16 tokens): every score lies under
+    the top threshold of a grid ending at 0.3."""
+    from rlvr.algorithms.csa import Calibrator
+    from rlvr.serving.api import Calibration
+
+    return Calibration(
+        calibrator=Calibrator([0.0, 1.0], [0.05, 0.3]),
+        raw_scores=[0.0] * 10 + [1.0] * 10,
+        passed=[True] * 10 + [False] * 10,
+        k=4,
+        temperature=0.7,
+        top_p=1.0,
+        max_tokens=16,
+    )

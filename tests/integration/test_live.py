@@ -19,8 +19,6 @@ import pytest
 import torch
 import yaml
 
-from rlvr.algorithms.csa import Calibrator
-from rlvr.serving.api import Calibration
 from rlvr.serving.live import merged_lora_weights
 from rlvr.tasks.prompts import prompt_messages
 
@@ -33,23 +31,14 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def live_server(ray_cluster, sft_model, tmp_path_factory):
+def live_server(ray_cluster, sft_model, fixed_calibration, tmp_path_factory):
     from ray import serve
 
     from rlvr.serving.config import load_serve_config
     from workflows.serve import prepare_serve, start_serving
 
     tmp = tmp_path_factory.mktemp("live")
-    # Every score is under the top threshold 0.3, so each round's answer is kept and labelled.
-    cal = Calibration(
-        calibrator=Calibrator([0.0, 1.0], [0.05, 0.3]),
-        raw_scores=[0.0] * 10 + [1.0] * 10,
-        passed=[True] * 10 + [False] * 10,
-        k=4,
-        temperature=0.7,
-        top_p=1.0,
-        max_tokens=16,
-    )
+    cal = fixed_calibration
     cal.save(tmp / "cal.json")
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]

@@ -129,7 +129,7 @@ def test_adapter_is_merged_once_into_the_served_weights(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, sft_model, tmp_path_factory):
+def server(ray_cluster, sft_model, fixed_calibration, tmp_path_factory):
     """The app on a free loopback port: 2 replicas sharing 5 streams through one ControllerActor."""
     from ray import serve
 
@@ -137,15 +137,7 @@ def server(ray_cluster, sft_model, tmp_path_factory):
     from workflows.serve import prepare_serve, start_serving
 
     tmp = tmp_path_factory.mktemp("serve")
-    cal = Calibration(
-        calibrator=Calibrator([0.0, 1.0], [0.05, 0.3]),
-        raw_scores=[0.0] * 10 + [1.0] * 10,
-        passed=[True] * 10 + [False] * 10,
-        k=4,
-        temperature=0.7,
-        top_p=1.0,
-        max_tokens=16,
-    )
+    cal = fixed_calibration
     cal.save(tmp / "cal.json")
     port = free_port()
     spec = yaml.safe_load(SERVE_TINY.read_text())
@@ -770,8 +762,9 @@ def test_a_replica_killed_under_load_leaves_the_streams_intact(server):
 
 
 def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli):
-    """`rlvr serve` as a user starts it: it serves, prints where the operator key is, opens
-    /v1/csa/status only to that key, and shuts down cleanly on Ctrl-C."""
+    """`rlvr serve` as a user starts it, with live updates on: it serves, prints where the
+    operator key and the live adapters are, opens /v1/csa/status only to that key, and shuts
+    down cleanly on Ctrl-C (the updater's policy rank too)."""
     import signal
 
     cal = Calibration(
@@ -793,6 +786,9 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli):
         "generation.backend=hf",
         f"http.port={port}",
         "replicas.cpus=0",
+        "live.enabled=true",
+        "live.cpus=0",
+        f"live.dir={tmp_path / 'live'}",
     ]
     proc = run_cli(["serve", "--config", str(SERVE_TINY), *[f"--set={s}" for s in sets]])
     lines: list[str] = []
@@ -801,7 +797,7 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli):
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
-        while not any(line.startswith("serving ") for line in lines):
+        while not any(line.startswith("live updates: ") for line in lines):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
             time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
@@ -818,3 +814,5 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli):
     log = "".join(lines)
     assert proc.returncode == 0, log[-4000:]
     assert f"operator key for /v1/feedback and /v1/csa/status: {tmp_path / 'state'}" in log
+    assert f"every 100 rounds of stream default (adapters in {tmp_path / 'live'})" in log
+    assert (tmp_path / "live" / "versions").is_dir()
