@@ -81,31 +81,37 @@ def tree_pids(root: int) -> list[int]:
     return pids
 
 
-def tree_memory_gib(root: int) -> float:
-    """Anonymous and shared-memory PSS summed over `root`'s process tree: the memory its
-    processes own (a shared page split among its mappers), whatever else runs on the machine;
-    file pages (mapped safetensors, libraries) are reclaimable cache and left out."""
-    kib = 0
+def tree_memory_gib(root: int) -> dict[str, float]:
+    """Anonymous and shared-memory PSS over `root`'s process tree, in GiB by process name (Ray
+    names its actors' processes `ray::ClassName`): the memory its processes own (a shared page
+    split among its mappers), whatever else runs on the machine; file pages (mapped safetensors,
+    libraries) are reclaimable cache and left out."""
+    by_name: dict[str, float] = {}
     for pid in tree_pids(root):
         try:
             rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            name = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
         except OSError:
             continue
-        kib += sum(
+        kib = sum(
             int(line.split()[1])
             for line in rollup.splitlines()
             if line.startswith(("Pss_Anon:", "Pss_Shmem:"))
         )
-    return kib / 2**20
+        name = name.split(".")[0] if name.startswith("ray::") else Path(name).name
+        by_name[name] = by_name.get(name, 0.0) + kib / 2**20
+    return by_name
 
 
 class PeakMemory:
     """Samples, in a thread, `memory_used_gib` (the machine) and, once `watch` names the child,
-    `tree_memory_gib` (the child's processes); peaks of both."""
+    `tree_memory_gib` (the child's processes); peaks of both, and the child's processes at its
+    peak."""
 
     def __init__(self, every_s: float = 0.2):
         self.every_s, self.idle = every_s, memory_used_gib()
         self.peak, self.tree_peak, self._stop = self.idle, 0.0, threading.Event()
+        self.tree_at_peak: dict[str, float] = {}
         self._root: int | None = None
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -116,7 +122,9 @@ class PeakMemory:
         while not self._stop.wait(self.every_s):
             self.peak = max(self.peak, memory_used_gib())
             if self._root is not None:
-                self.tree_peak = max(self.tree_peak, tree_memory_gib(self._root))
+                by_name = tree_memory_gib(self._root)
+                if sum(by_name.values()) > self.tree_peak:
+                    self.tree_peak, self.tree_at_peak = sum(by_name.values()), by_name
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()
@@ -240,6 +248,7 @@ def run_child(side: str, args: argparse.Namespace, files: dict[str, Path]) -> di
         "outside_steps_s": wall - sum(r["time_step"] for r in records),
         "peak_gib": mem.peak_above_idle,
         "tree_peak_gib": mem.tree_peak,
+        "tree_at_peak_gib": mem.tree_at_peak,
     }
 
 
@@ -251,7 +260,9 @@ def summarise(runs: list[dict]) -> dict[str, float]:
         out["time_forward"] = statistics.median(s["time_forward"] for s in steps)
     out["tokens_per_s"] = statistics.median(s["tokens_generated"] / s["time_step"] for s in steps)
     out["peak_gib"] = max(r["peak_gib"] for r in runs)
-    out["tree_peak_gib"] = max(r["tree_peak_gib"] for r in runs)
+    peak_run = max(runs, key=lambda r: r["tree_peak_gib"])
+    out["tree_peak_gib"] = peak_run["tree_peak_gib"]
+    out["tree_at_peak_gib"] = peak_run["tree_at_peak_gib"]
     out["outside_steps_s"] = statistics.median(r["outside_steps_s"] for r in runs)
     out["measured_steps"] = len(steps)
     return out
@@ -287,6 +298,11 @@ def format_table(result: dict[str, dict[str, float]], title: str) -> str:
                     f"{r['peak_gib'] / trl['peak_gib']:.2f} (the machine's), "
                     f"{r['tree_peak_gib'] / trl['tree_peak_gib']:.2f} (their processes')."
                 )
+    lines += ["", "Each side's processes at its peak (GiB, anonymous + shared PSS):", ""]
+    for side, r in result.items():
+        parts = sorted(r["tree_at_peak_gib"].items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{name} {gib:.2f}" for name, gib in parts if gib >= 0.01)
+        lines.append(f"- {LABELS[side]}: {shown}")
     return "\n".join(lines)
 
 
