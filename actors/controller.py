@@ -94,7 +94,7 @@ class ControllerActor:
         score: float,
         source: str = "feedback",
         policy: str | None = None,
-        experience: dict[str, list[int]] | None = None,
+        experience: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         return self._csa().decide(name, score, source, policy, experience)
 

@@ -100,6 +100,7 @@ def serve_configs(args: argparse.Namespace, model_dir: Path, cal: Path, work: Pa
                 "live.enabled=true",
                 "live.stream=traffic",
                 f"live.round_size={args.round_size}",
+                f"live.algorithm={args.algorithm}",
                 f"live.epochs={args.epochs}",
                 f"live.lr={args.lr}",
                 "live.cpus=0",
@@ -244,7 +245,8 @@ def update_between_rounds(updater: Any, index: int, client: Client, problems: li
         update: dict[str, Any] = {"after_round": index, "update_s": time.perf_counter() - start}
         if records and records[-1]["policy"]:
             record = records[-1]
-            update |= {k: record[k] for k in ("policy", "pairs", "optimizer_steps", "sft_nll")}
+            keys = ("policy", "pairs", "optimizer_steps", "sft_nll", "reward_mean")
+            update |= {k: record[k] for k in keys if k in record}
             update["switch_s"] = probe.wait_for(record["policy"])
             time.sleep(1.0)  # a few answers of the new version after the switch
     latencies = [a["latency_s"] for a in probe.answers]
@@ -266,7 +268,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=0.7, help="of the K samples")
     ap.add_argument("--max-tokens", type=int, help="default: 24 (tiny), 96")
-    ap.add_argument("--epochs", type=int, default=2, help="SFT passes per update")
+    ap.add_argument("--algorithm", choices=["sft", "grpo"], default="sft", help="live updates")
+    ap.add_argument("--epochs", type=int, default=2, help="passes per update")
     ap.add_argument("--lr", type=float, help="default: 1e-3 (tiny), 2e-4")
     ap.add_argument("--epoch-length", type=int, help="CSA-Epoch reset every N rounds")
     ap.add_argument("--max-operand", type=int, help="largest operand: 20 (tiny), 30")
@@ -388,7 +391,7 @@ def write_results(
         f"# Frozen vs live: {args.model} ({args.backend}), {args.rounds} rounds of "
         f"{args.round_size} requests, alpha {args.alpha}, K {args.k} at T {args.temperature}, "
         f"{args.max_tokens} tokens, operands up to {args.max_operand}, "
-        f"LoRA SFT {args.epochs} epochs at lr {args.lr}",
+        f"LoRA {args.algorithm} {args.epochs} epochs at lr {args.lr}",
         "",
         "| side | " + " | ".join(cols) + " |",
         "|" + "---|" * (len(cols) + 1),

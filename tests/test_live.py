@@ -14,7 +14,7 @@ from rlvr.serving.live import (
     adapter_version,
     merged_lora_weights,
     round_seqs,
-    sft_batches,
+    shuffled_batches,
 )
 from rlvr.serving.streams import CSAStreamHost, PredictabilityError, StreamSpec
 
@@ -29,8 +29,10 @@ class Clock:
         return self.t
 
 
-def experience(seq: int) -> dict[str, list[int]]:
-    return {"prompt_ids": [1, 2, seq], "response_ids": [seq, 9]}
+def experience(seq: int) -> dict:
+    """A kept round; the even ones were shadow-verified against a reference."""
+    reference = str(seq) if seq % 2 == 0 else None
+    return {"prompt_ids": [1, 2, seq], "response_ids": [seq, 9], "reference": reference}
 
 
 def test_a_round_closes_only_when_every_seq_is_applied_and_yields_its_passed_answers(tmp_path):
@@ -51,6 +53,8 @@ def test_a_round_closes_only_when_every_seq_is_applied_and_yields_its_passed_ans
     assert [p["seq"] for p in closed["pairs"]] == [0, 1, 3]
     assert closed["pairs"][2] == {"seq": 3, "policy": "base", **experience(3)}
     assert closed["passed_without_experience"] == []
+    # GRPO's prompts: every kept round with a reference, whatever its label.
+    assert [e["seq"] for e in closed["references"]] == [0, 2]
     host.observe("s", 4, True)
     assert host.closed_round("s", 4, 5)["passed_without_experience"] == [4]
     with pytest.raises(ValueError, match="empty"):
@@ -135,17 +139,17 @@ def test_updater_state_round_trips_and_starts_fresh(tmp_path):
     assert round_seqs(0, 100) == (0, 100) and round_seqs(3, 8) == (24, 32)
 
 
-def test_sft_batches_shuffle_every_pair_once_per_epoch():
-    steps = sft_batches(10, 4, epochs=2, seed=7)
+def test_shuffled_batches_take_every_pair_once_per_epoch():
+    steps = shuffled_batches(10, 4, epochs=2, seed=7)
     # ceil(10 / 4) = 3 steps per epoch, as even as possible.
     assert [len(s) for s in steps] == [3, 4, 3, 3, 4, 3]
     for epoch in (steps[:3], steps[3:]):
         assert sorted(i for s in epoch for i in s) == list(range(10))
     assert steps[:3] != steps[3:]  # each epoch its own order
-    assert sft_batches(10, 4, epochs=2, seed=7) == steps
-    assert sft_batches(1, 4, epochs=1, seed=0) == [[0]]
+    assert shuffled_batches(10, 4, epochs=2, seed=7) == steps
+    assert shuffled_batches(1, 4, epochs=1, seed=0) == [[0]]
     with pytest.raises(ValueError):
-        sft_batches(0, 4, epochs=1, seed=0)
+        shuffled_batches(0, 4, epochs=1, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +226,11 @@ def test_live_config_names_the_bad_key():
         load_serve_config(None, ["live.enabled=true", "live.lora.enabled=false"])
     with pytest.raises(ConfigError, match="live.round_size"):
         load_serve_config(None, ["live.round_size=0"])
+    assert load_serve_config(None, ["live.algorithm=grpo"]).live.group_size == 8
+    with pytest.raises(ConfigError, match="live.algorithm"):
+        load_serve_config(None, ["live.algorithm=ppo"])
+    with pytest.raises(ConfigError, match="live.group_size"):
+        load_serve_config(None, ["live.group_size=1"])
 
 
 def test_unit_advantages_on_policy_are_the_sft_gradient():

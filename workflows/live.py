@@ -3,8 +3,10 @@ Sec. 6.2; digest 2.8 and 3.2).
 
 EI round r is seqs [r * round_size, (r + 1) * round_size) of the live stream. Once every one of
 them is applied (closed: labelled, or expired as a failure), a PolicyActor (DeepSpeed, LoRA) takes
-`epochs` passes of SFT over the round's verifier-correct pairs, the adapter is saved under a
-content-named version, and the ControllerActor publishes it at the next seq of every stream,
+`epochs` passes of SFT over the round's verifier-correct pairs (`live.algorithm: sft`, the paper's
+Expert Iteration) or of GRPO over its shadow-verified prompts (`grpo`: fresh samples of the current
+version, rewarded against each prompt's reference), the adapter is saved under a content-named
+version, and the ControllerActor publishes it at the next seq of every stream,
 declaring the last training seq (rule R2: it serves only later seqs). Replicas switch to it
 between generations (`workflows.serve`).
 
@@ -27,16 +29,20 @@ import torch
 from transformers import AutoTokenizer
 
 from actors.policy import PolicyActor
+from rlvr.algorithms.advantages import group_advantages
+from rlvr.generation import make_backend
+from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.serving.config import ServeConfig
 from rlvr.serving.live import (
     UPDATER_FILE,
     UpdaterState,
     adapter_version,
     round_seqs,
-    sft_batches,
+    shuffled_batches,
 )
 from rlvr.training.batch import build_batch
 from rlvr.training.rendezvous import LOOPBACK
+from rlvr.verifiers.math import MathVerifier
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,8 @@ class LiveUpdater:
 
     def __init__(self, cfg: ServeConfig, model_dir: str | Path, controller: Any):
         self.live = cfg.live
+        self.model_dir, self.dtype = Path(model_dir), cfg.model.dtype
+        self._engine: Any = None
         self.stream = cfg.live_stream()
         self.controller = controller
         self.dir = cfg.live_dir().resolve()
@@ -68,7 +76,8 @@ class LiveUpdater:
                 lr=self.live.lr,
                 micro_batch_size=self.live.batch_size,
                 seed=self.live.seed,
-                temperature=1.0,
+                # SFT's NLL is at temperature 1; GRPO's ratio at the one it samples at.
+                temperature=self.live.temperature if self.live.algorithm == "grpo" else 1.0,
             )
         )
         ray.get(self.policy.ready.remote())
@@ -91,11 +100,28 @@ class LiveUpdater:
             done.append(self._consume(index, closed))
 
     def close(self) -> None:
-        """Stop the updater's policy rank (its progress is on disk)."""
+        """Stop the updater's policy rank and engine (its progress is on disk)."""
         ray.kill(self.policy)
+        if self._engine is not None:
+            self._engine.close()
 
     def _consume(self, index: int, closed: dict[str, Any]) -> dict[str, Any]:
         first, end = round_seqs(index, self.live.round_size)
+        if self.live.algorithm == "grpo":
+            stats = self._grpo(index, closed["references"])
+        else:
+            stats = self._sft(index, closed)
+        if not stats.get("optimizer_steps"):
+            log.info("live round %d (seqs %d-%d): nothing to learn from", index, first, end - 1)
+            self.state.skipped.append(index)
+            self.state.next_round = index + 1
+            self.state.save(self.dir / UPDATER_FILE)
+            return {"round": index, "policy": None, **stats}
+        record = self._save(index, end - 1, stats)
+        return record | {"boundaries": self._publish(record)}
+
+    def _sft(self, index: int, closed: dict[str, Any]) -> dict[str, Any]:
+        """Expert Iteration: SFT on the round's verifier-correct pairs (no step without one)."""
         pairs = closed["pairs"]
         if closed["passed_without_experience"]:
             log.warning(
@@ -104,15 +130,9 @@ class LiveUpdater:
                 len(closed["passed_without_experience"]),
             )
         if not pairs:
-            log.info(
-                "live round %d (seqs %d-%d): no verifier-correct answer", index, first, end - 1
-            )
-            self.state.skipped.append(index)
-            self.state.next_round = index + 1
-            self.state.save(self.dir / UPDATER_FILE)
-            return {"round": index, "policy": None, "pairs": 0}
+            return {"pairs": 0}
         nll, tokens = 0.0, 0
-        steps = sft_batches(
+        steps = shuffled_batches(
             len(pairs), self.live.batch_size, self.live.epochs, self.live.seed + index
         )
         for rows in steps:
@@ -127,12 +147,74 @@ class LiveUpdater:
             stats = ray.get(self.policy.train_step.remote(batch, logprob_sums=True))
             nll -= sum(stats["logprob_sums"])
             tokens += stats["tokens"]
-        record = self._save(index, end - 1, len(pairs), len(steps), nll / tokens)
-        return record | {"boundaries": self._publish(record)}
+        return {"pairs": len(pairs), "optimizer_steps": len(steps), "sft_nll": nll / tokens}
 
-    def _save(
-        self, index: int, trained_through: int, pairs: int, steps: int, nll: float
-    ) -> dict[str, Any]:
+    def _grpo(self, index: int, prompts: list[dict[str, Any]]) -> dict[str, Any]:
+        """GRPO on the round's shadow-verified prompts: `group_size` samples of each from the
+        current version, rewarded 1 where the verifier finds the reference's answer, group
+        advantages (arXiv:2402.03300), then PPO-clip steps of `batch_size` prompts against the
+        log-probs from before the round's first step (no step without a prompt, or without a
+        group that holds both outcomes)."""
+        if not prompts:
+            return {"prompts": 0}
+        engine = self._rollout_engine()
+        engine.load_weights(ray.get(self.policy.export_weights.remote()).items())
+        params = SamplingParams(
+            temperature=self.live.temperature, top_p=1.0, max_tokens=self.live.max_tokens
+        )
+        requests = [
+            GenerationRequest(
+                prompt_ids=e["prompt_ids"],
+                n=self.live.group_size,
+                seed=(self.live.seed << 32) + e["seq"],
+            )
+            for e in prompts
+        ]
+        results = engine.generate(requests, params)
+        samples = [(i, s) for i, result in enumerate(results) for s in result.samples]
+        golds = [prompts[i]["reference"] for i, _ in samples]
+        with MathVerifier(num_workers=1) as verifier:
+            verdicts = verifier.verify_batch([s.text for _, s in samples], golds)
+        rewards = [float(status == "correct") for _, status in verdicts]
+        groups = [i for i, _ in samples]
+        advantages = torch.as_tensor(group_advantages(rewards, groups), dtype=torch.float32)
+        rollouts = {
+            "prompts": len(prompts),
+            "samples": len(samples),
+            "reward_mean": sum(rewards) / len(rewards),
+        }
+        if not advantages.any():
+            return rollouts
+        rows_of = {i: [r for r, g in enumerate(groups) if g == i] for i in range(len(prompts))}
+
+        def batch_of(rows: list[int]) -> Any:
+            return build_batch(
+                [prompts[groups[r]]["prompt_ids"] for r in rows],
+                [samples[r][1].token_ids for r in rows],
+                self.pad_id,
+                rollout_logprobs=[samples[r][1].logprobs for r in rows],
+            )
+
+        everything = list(range(len(samples)))
+        old_logp = ray.get(self.policy.logprobs.remote(batch_of(everything)))
+        steps = shuffled_batches(
+            len(prompts), self.live.batch_size, self.live.epochs, self.live.seed + index
+        )
+        for chosen in steps:
+            rows = [r for i in chosen for r in rows_of[i]]
+            batch = batch_of(rows)
+            batch.advantages = advantages[rows]
+            batch.old_logp = old_logp[rows, : batch.input_ids.shape[1]]
+            ray.get(self.policy.train_step.remote(batch))
+        return rollouts | {"optimizer_steps": len(steps)}
+
+    def _rollout_engine(self) -> Any:
+        """The transformers engine GRPO samples from (built once, on the served base)."""
+        if self._engine is None:
+            self._engine = make_backend("hf", self.model_dir, dtype=self.dtype)
+        return self._engine
+
+    def _save(self, index: int, trained_through: int, stats: dict[str, Any]) -> dict[str, Any]:
         """Adapter under its content-named version and the trainer state, then the progress."""
         partial = self.dir / "versions" / f".round-{index}.partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -152,9 +234,7 @@ class LiveUpdater:
             "adapter": str(adapter),
             "state": str(state),
             "trained_through": trained_through,
-            "pairs": pairs,
-            "optimizer_steps": steps,
-            "sft_nll": nll,
+            **stats,
         }
         previous = self.state.latest
         self.state.published.append(record)
@@ -162,9 +242,7 @@ class LiveUpdater:
         self.state.save(self.dir / UPDATER_FILE)
         if previous is not None:
             shutil.rmtree(previous["state"], ignore_errors=True)  # only the newest is resumed
-        log.info(
-            "live round %d: %d pairs, %d steps, NLL %.3f -> %s", index, pairs, steps, nll, version
-        )
+        log.info("live round %d -> %s (%s)", index, version, stats)
         return record
 
     def _publish(self, record: dict[str, Any]) -> dict[str, int]:

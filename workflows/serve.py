@@ -447,6 +447,7 @@ class CSAServer:
                 experience = {
                     "prompt_ids": prompt_ids,
                     "response_ids": samples[v.index].token_ids,
+                    "reference": ask.reference,
                 }
             decision = await self._controller(
                 "csa_decide", ask.stream, score, source, policy, experience
@@ -697,9 +698,8 @@ def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
                 updater = LiveUpdater(cfg, prepared.settings.model_dir, controller)
                 continue
             for record in records:
-                update = record["policy"] or "no update"
                 print(
-                    f"live round {record['round']}: {record['pairs']} pairs -> {update}", flush=True
+                    f"live round {record['round']}: {record['policy'] or 'no update'}", flush=True
                 )
             time.sleep(cfg.live.poll_s)
     except KeyboardInterrupt:

@@ -215,8 +215,17 @@ class ServeLiveConfig(Section):
         None, description="Stream whose verified rounds train the model (None: the first)."
     )
     round_size: int = Field(100, gt=0, description="Requests per Expert-Iteration round.")
-    epochs: int = Field(2, gt=0, description="Passes over a round's correct pairs per update.")
-    batch_size: int = Field(4, gt=0, description="Pairs per optimizer step.")
+    algorithm: Literal["sft", "grpo"] = Field(
+        "sft",
+        description="'sft': Expert Iteration, SFT on the round's verifier-correct answers (the "
+        "paper's); 'grpo': GRPO on the round's shadow-verified prompts (group_size fresh samples "
+        "each from the current version, rewarded by the verifier against their reference).",
+    )
+    group_size: int = Field(8, gt=1, description="GRPO: samples per prompt.")
+    temperature: float = Field(1.0, gt=0.0, description="GRPO: sampling temperature.")
+    max_tokens: int = Field(256, gt=0, description="GRPO: tokens per sample at most.")
+    epochs: int = Field(2, gt=0, description="Passes over a round's data per update.")
+    batch_size: int = Field(4, gt=0, description="Pairs (GRPO: prompts) per optimizer step.")
     lr: float = Field(1e-5, gt=0.0, description="Adam learning rate of the LoRA update.")
     lora: LoraConfig = Field(default_factory=_live_lora, description="The trained adapter.")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage of the updater.")

@@ -3,7 +3,7 @@
 arXiv:2605.20270 Sec. 6.2 and digest 2.8: the policy is constant within a round of `round_size`
 requests; between rounds a LoRA update is trained on that round's verifier-correct (prompt,
 answer) pairs only, and published to serve later seqs (rule R2). This module holds the pure parts:
-the updater's durable progress, a published version's name, the SFT mini-batches, and the merge of
+the updater's durable progress, a published version's name, the mini-batches, and the merge of
 a saved adapter into the served base weights that replicas switch to.
 """
 
@@ -70,9 +70,9 @@ def adapter_version(index: int, adapter_dir: Path) -> str:
     return f"live-{index}@{h.hexdigest()[:12]}"
 
 
-def sft_batches(n: int, batch_size: int, epochs: int, seed: int) -> list[list[int]]:
-    """Indices of the pairs in each optimizer step: `epochs` seeded shuffles of range(n), each cut
-    into ceil(n / batch_size) mini-batches as even as possible."""
+def shuffled_batches(n: int, batch_size: int, epochs: int, seed: int) -> list[list[int]]:
+    """Indices of the items (SFT pairs, GRPO prompts) of each optimizer step: `epochs` seeded
+    shuffles of range(n), each cut into ceil(n / batch_size) mini-batches as even as possible."""
     if n < 1 or batch_size < 1 or epochs < 1:
         raise ValueError(f"need n, batch_size, epochs >= 1, got {n}, {batch_size}, {epochs}")
     rng = random.Random(seed)

@@ -296,15 +296,15 @@ class CSAStreamHost:
         score: float,
         source: str = "feedback",
         policy: str | None = None,
-        experience: dict[str, list[int]] | None = None,
+        experience: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Issue the next seq of stream `name` and decide release for calibrated `score`; only
         `source` (one of LABEL_SOURCES) may label the round.
 
         `policy` is the version that generated the answer: one trained on labels up to seq k may
         serve only seqs above k (rule R2), else PredictabilityError and nothing is issued.
-        `experience` ({"prompt_ids", "response_ids"}: the served answer) is kept for live
-        learning. Returns seq, release, threshold (None = nothing certified), epoch, the versions
+        `experience` ({"prompt_ids", "response_ids"}: the served answer, and "reference" when
+        the shadow verifier labels it) is kept for live learning. Returns seq, release, threshold (None = nothing certified), epoch, the versions
         published for this round and the serving policy; the round is durable before this returns.
         """
         if source not in LABEL_SOURCES:
@@ -334,6 +334,7 @@ class CSAStreamHost:
                         "policy": policy,
                         "prompt_ids": [int(t) for t in experience["prompt_ids"]],
                         "response_ids": [int(t) for t in experience["response_ids"]],
+                        "reference": experience.get("reference"),
                     }
                 ],
             )
@@ -466,8 +467,9 @@ class CSAStreamHost:
 
     def closed_round(self, name: str, first: int, end: int) -> dict[str, Any] | None:
         """Seqs first..end-1 of `name` once every one of them is applied (None before): their
-        labels, and the kept prompt/response of each round that passed (Expert Iteration trains
-        on those alone; arXiv:2605.20270 Sec. 6.2)."""
+        labels, the kept prompt/response of each round that passed (Expert Iteration trains on
+        those alone; arXiv:2605.20270 Sec. 6.2), and every kept round with a reference (GRPO's
+        prompts)."""
         stream = self._get(name)
         self._expire(stream)
         if not 0 <= first < end:
@@ -488,6 +490,7 @@ class CSAStreamHost:
         return {
             "labels": {seq: labels.get(seq) for seq in range(first, end)},
             "pairs": [experience[seq] for seq in passed if seq in experience],
+            "references": [e for seq, e in sorted(experience.items()) if e.get("reference")],
             "passed_without_experience": [seq for seq in passed if seq not in experience],
         }
 
