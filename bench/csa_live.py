@@ -271,7 +271,7 @@ def main() -> None:
     ap.add_argument("--algorithm", choices=["sft", "grpo"], default="sft", help="live updates")
     ap.add_argument("--epochs", type=int, default=2, help="passes per update")
     ap.add_argument("--lr", type=float, help="default: 1e-3 (tiny), 2e-4")
-    ap.add_argument("--epoch-length", type=int, help="CSA-Epoch reset every N rounds")
+    ap.add_argument("--epoch-length", type=int, help="CSA-Epoch reset every N requests")
     ap.add_argument("--max-operand", type=int, help="largest operand: 20 (tiny), 30")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="default: bench/out/csa_live/MODEL")

@@ -123,8 +123,9 @@ class PeakMemory:
             self.peak = max(self.peak, memory_used_gib())
             if self._root is not None:
                 by_name = tree_memory_gib(self._root)
-                if sum(by_name.values()) > self.tree_peak:
-                    self.tree_peak, self.tree_at_peak = sum(by_name.values()), by_name
+                total = sum(by_name.values())
+                if total > self.tree_peak:
+                    self.tree_peak, self.tree_at_peak = total, by_name
 
     def __enter__(self) -> PeakMemory:
         self._thread.start()

@@ -36,6 +36,7 @@ from rlvr.serving.config import ServeConfig
 from rlvr.serving.live import (
     UPDATER_FILE,
     UpdaterState,
+    adapter_dir,
     adapter_version,
     round_seqs,
     shuffled_batches,
@@ -220,7 +221,7 @@ class LiveUpdater:
         shutil.rmtree(partial, ignore_errors=True)
         ray.get(self.policy.save_adapter.remote(str(partial)))
         version = adapter_version(index, partial)
-        adapter = self.dir / "versions" / version.replace("@", "-")
+        adapter = adapter_dir(self.dir, version)
         if adapter.exists():
             shutil.rmtree(partial)
         else:

@@ -71,7 +71,7 @@ from rlvr.serving.api import (
     vote,
 )
 from rlvr.serving.config import ServeConfig
-from rlvr.serving.live import UPDATER_FILE, UpdaterState, merged_lora_weights
+from rlvr.serving.live import UPDATER_FILE, UpdaterState, adapter_dir, merged_lora_weights
 from rlvr.serving.streams import LabelSourceError, StreamSpec, UnknownStreamError
 from rlvr.tasks.prompts import render_messages, render_text
 from rlvr.training.rendezvous import LOOPBACK, bind_collectives
@@ -530,8 +530,8 @@ class CSAServer:
         if version is None or version == self.policy:
             return
         start = time.perf_counter()
-        adapter = Path(self.s.live_dir) / "versions" / version.replace("@", "-")
-        weights = list(merged_lora_weights(Path(self.s.model_dir), adapter))
+        adapter = adapter_dir(self.s.live_dir, version)
+        weights = list(merged_lora_weights(self.s.model_dir, adapter))
         merged = time.perf_counter()
         with self._engine_lock:
             self.backend.load_weights(weights)

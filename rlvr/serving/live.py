@@ -38,7 +38,8 @@ class UpdaterState:
     next_round: int = 0
     published: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
-    """Rounds consumed without an update (no verifier-correct pair)."""
+    """Rounds consumed without an update (nothing to learn from: no verifier-correct pair, or
+    under GRPO no group holding both outcomes)."""
 
     @classmethod
     def load(cls, path: Path) -> UpdaterState:
@@ -68,6 +69,11 @@ def adapter_version(index: int, adapter_dir: Path) -> str:
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         h.update(name.encode() + b"\0" + (adapter_dir / name).read_bytes())
     return f"live-{index}@{h.hexdigest()[:12]}"
+
+
+def adapter_dir(live_dir: str | Path, version: str) -> Path:
+    """Where the adapter of a published `version` lies under the live directory."""
+    return Path(live_dir) / "versions" / version.replace("@", "-")
 
 
 def shuffled_batches(n: int, batch_size: int, epochs: int, seed: int) -> list[list[int]]:

@@ -304,8 +304,9 @@ class CSAStreamHost:
         `policy` is the version that generated the answer: one trained on labels up to seq k may
         serve only seqs above k (rule R2), else PredictabilityError and nothing is issued.
         `experience` ({"prompt_ids", "response_ids"}: the served answer, and "reference" when
-        the shadow verifier labels it) is kept for live learning. Returns seq, release, threshold (None = nothing certified), epoch, the versions
-        published for this round and the serving policy; the round is durable before this returns.
+        the shadow verifier labels it) is kept for live learning. Returns seq, release, threshold
+        (None = nothing certified), epoch, the versions published for this round and the serving
+        policy; the round is durable before this returns.
         """
         if source not in LABEL_SOURCES:
             raise ValueError(f"label source must be one of {LABEL_SOURCES}, got {source!r}")
@@ -313,7 +314,7 @@ class CSAStreamHost:
         self._expire(stream)
         if policy is not None:
             trained = stream.ctrl.trained_through(policy)
-            next_seq = stream.ctrl.state_dict()["next_seq"]
+            next_seq = stream.ctrl.next_seq
             if trained is not None and trained >= next_seq:
                 raise PredictabilityError(
                     f"policy {policy} was trained on labels up to seq {trained} and may not "
@@ -433,7 +434,7 @@ class CSAStreamHost:
                     "epoch": stream.ctrl.epoch,
                     "rounds": n0,
                     "failures": n0 - sum(bool(p) for p in passed),
-                    "at_seq": stream.ctrl.state_dict()["next_seq"],
+                    "at_seq": stream.ctrl.next_seq,
                     "time": self.clock(),
                 }
             ],
@@ -559,7 +560,7 @@ class CSAStreamHost:
         event = {
             "reason": reason,
             "epoch": ctrl.epoch,
-            "at_seq": ctrl.state_dict()["next_seq"],
+            "at_seq": ctrl.next_seq,
             "time": self.clock(),
         }
         if previous is not None:
@@ -588,7 +589,7 @@ class CSAStreamHost:
         It must be durable before any caller hears of a seq beyond its bound: a restart after a
         lost snapshot continues from the bound, in a later epoch.
         """
-        next_seq = stream.ctrl.state_dict()["next_seq"]
+        next_seq = stream.ctrl.next_seq
         if next_seq <= stream.seq_bound and stream.ctrl.epoch <= stream.marker_epoch:
             return
         bound = max(stream.seq_bound, next_seq + self.seq_block)
@@ -746,7 +747,7 @@ def _replay(stream: _Stream, entries: list[dict[str, Any]]) -> None:
     """Re-decide the journal's rounds the snapshot does not hold (decide is deterministic)."""
     for entry in entries:
         seq = int(entry["seq"])
-        expected = stream.ctrl.state_dict()["next_seq"]
+        expected = stream.ctrl.next_seq
         if seq < expected:
             continue  # already in the snapshot (a crash came before the journal was emptied)
         if seq != expected:
@@ -787,8 +788,8 @@ def _prune(stream: _Stream) -> None:
 
 
 def _read_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON lines of an append-only file (none if it does not exist; a torn last line, the
-    write a crash interrupted, is skipped)."""
+    """The JSON lines of an append-only file (none if it does not exist); a line that does not
+    parse (a write a crash interrupted) is skipped."""
     if not path.exists():
         return []
     out = []

@@ -478,6 +478,11 @@ class CSAController:
         return max(seqs) if seqs else None
 
     @property
+    def next_seq(self) -> int:
+        """The seq the next decision gets."""
+        return self._next_seq
+
+    @property
     def next_apply(self) -> int:
         """Every seq below this one is applied (its label is in the e-processes or counters)."""
         return self._next_apply
