@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -1223,6 +1224,25 @@ def _unknown_key(dotted: str, path: list[str]) -> str:
     return f"{dotted}: unknown key"
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true and false, so that a setting's
+    'off' (training.engine_is, resources.engine_sleep) or a 'yes' stays the string it reads as."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def load_yaml(text: str) -> Any:
+    """A config document (or an override's value) as Python data, with YAML 1.2 booleans."""
+    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader: no arbitrary objects
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """Split 'a.b=c' into (['a', 'b'], value parsed as YAML)."""
     if "=" not in item:
@@ -1230,7 +1250,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = item.split("=", 1)
     if not key:
         raise ConfigError(f"override {item!r} has an empty key")
-    return key.split("."), yaml.safe_load(raw) if raw else ""
+    return key.split("."), load_yaml(raw) if raw else ""
 
 
 def apply_overrides(
@@ -1302,7 +1322,7 @@ def read_yaml_sections(path: str | Path | None, kind: str = "config") -> dict[st
     if path is None:
         return {}
     path = resolve_config_path(path, kind)
-    loaded = yaml.safe_load(path.read_text())
+    loaded = load_yaml(path.read_text())
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     return loaded or {}

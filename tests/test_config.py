@@ -73,6 +73,16 @@ def test_bad_values_name_the_key(overrides, key):
         load_config(None, overrides)
 
 
+def test_off_and_yes_read_as_words_true_and_false_as_booleans(tmp_path):
+    """YAML 1.1 would read the 'off' choices as False and fail their validation."""
+    path = tmp_path / "c.yaml"
+    path.write_text("resources:\n  engine_sleep: off\nmodel:\n  lora:\n    enabled: true\n")
+    cfg = load_config(path, ["training.engine_is=off", "run.name=yes"])
+    assert cfg.resources.engine_sleep == "off" and cfg.training.engine_is == "off"
+    assert cfg.run.name == "yes" and cfg.model.lora.enabled is True
+    assert load_config(path, ["model.lora.enabled=false"]).model.lora.enabled is False
+
+
 def test_unknown_key_in_yaml(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("training:\n  learning_rate: 0.1\n")
