@@ -217,6 +217,15 @@ class GenerationConfig(Section):
     group_size: int = Field(8, gt=0, description="Rollouts per prompt (GRPO group).")
     prompts_per_step: int = Field(8, gt=0, description="Prompts per training step.")
     kv_cache_gib: float = Field(1.0, gt=0.0, description="KV cache size for vLLM on CPU.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description=(
+            "Weights and KV cache dtype of the rollout engines; auto: model.dtype. bfloat16 under "
+            "float32 training halves the engines' memory and, on CPUs with AMX or AVX512-BF16, "
+            "their decode time; the engine/trainer mismatch it adds is what training.engine_is "
+            "corrects, as verl and OpenRLHF do for bf16 vLLM beside an fp32 master copy."
+        ),
+    )
     enforce_eager: bool = Field(
         False, description="Skip vLLM's torch.compile: starts faster, decodes slower."
     )
@@ -782,7 +791,9 @@ class ResourcesConfig(Section):
         description=(
             "Colocated on GPUs, vLLM's sleep mode around every update: offload (level 1: weights "
             "to host memory, KV cache freed), discard (level 2: both freed; the sync rewrites "
-            "every weight), off. CPU engines never sleep (vLLM's sleep mode needs a GPU)."
+            "every weight), off. CPU engines free their KV cache around every update at either "
+            "level (vLLM's sleep mode needs a GPU; their weights stay), unless "
+            "run.off_policy_steps is 1 (they sample during the update)."
         ),
     )
 
@@ -981,6 +992,13 @@ class Config(Section):
             if warning:
                 warnings.warn(f"algorithm.laconic.lam_max: {warning}", stacklevel=2)
         self._check_tensor_parallel()
+        if self.engine_dtype != self.model.dtype and self.training.engine_is == "off":
+            warnings.warn(
+                f"generation.dtype={self.engine_dtype} samples from other weights than the "
+                f"{self.model.dtype} trainer; with training.engine_is=off nothing corrects the "
+                "mismatch (tis or mask do)",
+                stacklevel=2,
+            )
         if self.sync.transport == "colocated" and not self.resources.colocate:
             raise ValueError(
                 "sync.transport: colocated hands weights from each policy rank to the engine "
@@ -1070,6 +1088,12 @@ class Config(Section):
                 f"generation.max_tokens={max_tokens}; no rollout is aborted before K2 is refit",
                 stacklevel=3,
             )
+
+    @property
+    def engine_dtype(self) -> Literal["float32", "bfloat16"]:
+        """The rollout engines' weights dtype: generation.dtype, or model.dtype under auto."""
+        g = self.generation.dtype
+        return self.model.dtype if g == "auto" else g
 
     def lr_schedule_steps(self) -> tuple[int, int]:
         """(warm-up, total) optimizer steps of the run: run.steps x mini_batches x epochs."""

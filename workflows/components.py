@@ -159,7 +159,7 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "backend": g.backend,
         "model_path": str(model_dir),
-        "dtype": cfg.model.dtype,
+        "dtype": cfg.engine_dtype,
     }
     if g.backend == "vllm":
         kw.update(
@@ -171,7 +171,7 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         )
         if cfg.resources.generator_tp > 1:
             kw["tensor_parallel_size"] = cfg.resources.generator_tp
-        if sleep_level(cfg) is not None:
+        if cfg.resources.engines_sleep:  # vLLM's own sleep mode (GPUs)
             kw["enable_sleep_mode"] = True
     kw.update(build_method(cfg).generator_settings(model_dir))
     kw["threads"] = torch_threads(cfg, cfg.resources.generator_engines)
@@ -179,10 +179,16 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
 
 
 def sleep_level(cfg: Config) -> int | None:
-    """vLLM's sleep level for engines colocated with their ranks on GPUs, else None."""
-    if not cfg.resources.engines_sleep or cfg.generation.backend != "vllm":
+    """vLLM's sleep level while the policy trains, else None: engines colocated with their ranks
+    on GPUs, and CPU engines, whose host memory the update shares (they free their KV cache:
+    `VLLMBackend.sleep`), unless they sample during the update (run.off_policy_steps 1)."""
+    r = cfg.resources
+    if cfg.generation.backend != "vllm" or r.engine_sleep == "off":
         return None
-    return {"offload": 1, "discard": 2}[cfg.resources.engine_sleep]
+    cpu_engines = r.generator_gpus == 0 and cfg.run.off_policy_steps == 0
+    if not (r.engines_sleep or cpu_engines):
+        return None
+    return {"offload": 1, "discard": 2}[r.engine_sleep]
 
 
 def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> Components:

@@ -184,7 +184,7 @@ def run_evaluate(
     if not problems:
         raise ConfigError("invalid evaluation input: no problems to evaluate")
     g = cfg.generation
-    kwargs: dict[str, Any] = {"dtype": cfg.model.dtype}
+    kwargs: dict[str, Any] = {"dtype": cfg.engine_dtype}
     if backend == "vllm":
         kwargs |= {
             "max_model_len": g.max_model_len,

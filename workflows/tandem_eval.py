@@ -415,7 +415,7 @@ def run_tandem_eval(
         eval_settings = EvalSettings(**settings)
     except ValueError as err:
         raise ConfigError(f"invalid evaluation input: {err}") from None
-    kwargs: dict[str, Any] = {"dtype": cfg.model.dtype}
+    kwargs: dict[str, Any] = {"dtype": cfg.engine_dtype}
     if backend == "vllm":
         kwargs.update(
             max_model_len=g.max_model_len,

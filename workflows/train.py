@@ -209,7 +209,8 @@ class Trainer:
             log.warning("step %d: no rollout carries a loss token; the update is skipped", step)
             return {"skipped": 1, "logprob_sums": [0.0] * rows}
         kept = rows_that_train(batch, self.cfg.training.loss_agg, method.trains_every_row)
-        self.comps.generator.sleep(step)  # colocated on GPUs: the rank takes the device
+        # the update takes the device (a colocated GPU) or the host memory (CPU engines)
+        self.comps.generator.sleep(step)
         stats = self.comps.policy.train_step(
             batch if len(kept) == len(batch) else batch.select(kept),
             logprob_sums=method.needs_logprob_sums,

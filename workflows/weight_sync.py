@@ -185,7 +185,7 @@ def make_weight_sync(cfg: Config, policy: Any, generator: Any) -> WeightSync:
     if transport == "object_store":
         return ObjectStoreSync(policy, generator)
     bucket_bytes = int(cfg.sync.bucket_mb * 2**20)
-    dtype = getattr(torch, cfg.model.dtype)
+    dtype = getattr(torch, cfg.engine_dtype)
     if transport == "colocated":
         return ColocatedSync(policy, generator, dtype, bucket_bytes)
     return CollectiveSync(policy, generator, dtype, bucket_bytes)

@@ -76,6 +76,33 @@ class ForcedEOSLogitsProcessor(RowTrackingLogitsProcessor):
         return logits
 
 
+def _kv_cache_storages(worker: Any) -> list[torch.UntypedStorage]:
+    """The storages under a CPU worker's KV cache tensors (its layers hold views of them)."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor in worker.model_runner.kv_caches:
+        storage = tensor.untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage)
+    return list(storages.values())
+
+
+def _free_kv_cache(worker: Any) -> int:
+    """Run in a CPU worker: release its KV cache's memory, the tensors kept as views of empty
+    storages (`_restore_kv_cache` gives the memory back); returns the bytes released."""
+    if getattr(worker, "rlvr_freed_kv", None):
+        return 0
+    worker.rlvr_freed_kv = [(s, s.nbytes()) for s in _kv_cache_storages(worker)]
+    for storage, _ in worker.rlvr_freed_kv:
+        storage.resize_(0)
+    return sum(size for _, size in worker.rlvr_freed_kv)
+
+
+def _restore_kv_cache(worker: Any) -> None:
+    """Run in a CPU worker: reallocate what `_free_kv_cache` released (contents undefined)."""
+    for storage, size in getattr(worker, "rlvr_freed_kv", None) or []:
+        storage.resize_(size)
+    worker.rlvr_freed_kv = None
+
+
 def _refresh_embedding_gemms(model: torch.nn.Module) -> None:
     """Rebuild the packed GEMM of embedding-shaped layers from their current weights.
 
@@ -390,12 +417,25 @@ class VLLMBackend:
 
     def sleep(self, level: int) -> None:
         """vLLM sleep mode (the engine must be started with ``enable_sleep_mode=True``, on a GPU):
-        level 1 moves the weights to host memory and frees the KV cache, level 2 frees both."""
-        self.llm.sleep(level=level)
+        level 1 moves the weights to host memory and frees the KV cache, level 2 frees both.
+
+        On CPU, where vLLM has no sleep mode, either level frees the KV cache alone (its weights
+        are already in host memory, packed by vLLM's CPU kernels where they cannot be released).
+        """
+        if current_platform.is_cpu():
+            self.llm.collective_rpc(_free_kv_cache)
+        else:
+            self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Reallocate what `sleep` freed (``tags``: "weights", "kv_cache"; None: all)."""
-        self.llm.wake_up(tags=tags)
+        if not current_platform.is_cpu():
+            self.llm.wake_up(tags=tags)
+        elif tags is None or "kv_cache" in tags:
+            self.llm.collective_rpc(_restore_kv_cache)
+            # the reallocated blocks hold nothing: no prefix may be served from them
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM refused to reset its prefix cache after a sleep")
 
     def close(self) -> None:
         """Shut the engine down and free its memory (always call it: see below).

@@ -14,14 +14,18 @@ Tokens, finish reasons, flags and authorship must match exactly; log-probs withi
 OMP_WAIT_POLICY=PASSIVE only keeps the engines' idle threads from spinning on the shared cores.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import ray
 
 from actors.generator import GeneratorActor
 from rlvr.algorithms.duet.stop import coin, rollout_seed
+from rlvr.config import ConfigError, load_config
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.models.tiny import build_tiny_model
+from workflows.components import generator_kwargs, sleep_level
 from workflows.generator_pool import GeneratorPool, contiguous_shards
 from workflows.workers import ActorFailure, Worker
 
@@ -217,3 +221,34 @@ def test_colocated_engines_sleep_once_and_wake_weights_before_kv_cache():
     never.sleep()
     never.wake("weights")
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    "overrides,level",
+    [
+        ([], 1),  # CPU engines free their KV cache while the policy updates
+        (["resources.engine_sleep=discard"], 2),
+        (["resources.engine_sleep=off"], None),
+        (["run.off_policy_steps=1"], None),  # they sample during the update
+        (["generation.backend=hf"], None),
+    ],
+)
+def test_cpu_engines_sleep_unless_they_sample_during_the_update(overrides, level):
+    cfg = load_config(None, overrides)
+    assert sleep_level(cfg) == level
+    # vLLM's own sleep mode is for GPUs: a CPU engine starts without it, whatever the level
+    assert "enable_sleep_mode" not in generator_kwargs(cfg, Path("model"))
+
+
+def test_generation_dtype_sets_the_engines_and_the_sync_wire():
+    cfg = load_config(None, [])
+    assert cfg.engine_dtype == "float32" and generator_kwargs(cfg, Path("m"))["dtype"] == "float32"
+    cfg = load_config(None, ["generation.dtype=bfloat16"])
+    assert (
+        cfg.engine_dtype == "bfloat16" and generator_kwargs(cfg, Path("m"))["dtype"] == "bfloat16"
+    )
+    assert cfg.model.dtype == "float32"  # the trainer keeps its own
+    with pytest.warns(UserWarning, match=r"generation.dtype=bfloat16 .* training.engine_is=off"):
+        load_config(None, ["generation.dtype=bfloat16", "training.engine_is=off"])
+    with pytest.raises(ConfigError, match="generation.dtype"):
+        load_config(None, ["generation.dtype=float16"])

@@ -262,6 +262,29 @@ def test_seeded_sampling_survives_prompts_beyond_one_step_budget(engine):
     assert [r.samples[0].token_ids for r in again] == [r.samples[0].token_ids for r in results[:3]]
 
 
+def test_cpu_sleep_frees_the_kv_cache_and_waking_samples_as_before(engine):
+    """On CPU `sleep` releases the KV cache's memory (its tensors stay, as views of empty
+    storages) and `wake_up` gives it back: the same seeds then sample the same tokens."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+    requests = [GenerationRequest(p, n=2) for p in PROMPTS]
+    before = engine.generate(requests, params)
+
+    def kv_bytes(worker) -> int:  # the layers' caches are views of shared storages
+        storages = [t.untyped_storage() for t in worker.model_runner.kv_caches]
+        return sum({s.data_ptr(): s.nbytes() for s in storages}.values())
+
+    held = engine.llm.collective_rpc(kv_bytes)[0]
+    assert held >= ENGINE["kv_cache_gib"] * 2**30 * 0.9  # vLLM rounds to whole blocks
+    engine.sleep(1)
+    engine.sleep(1)  # already asleep: nothing more to free, nothing lost
+    assert engine.llm.collective_rpc(kv_bytes) == [0]
+    engine.wake_up(["weights"])  # the weights never left: the KV cache stays free
+    assert engine.llm.collective_rpc(kv_bytes) == [0]
+    engine.wake_up(["kv_cache"])
+    assert engine.llm.collective_rpc(kv_bytes) == [held]
+    assert _token_ids(engine.generate(requests, params)) == _token_ids(before)
+
+
 def test_request_seed_overrides_params_seed(engine):
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=7)
     same = engine.generate([GenerationRequest(PROMPTS[0], seed=123)] * 2, params)
