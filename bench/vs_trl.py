@@ -40,19 +40,33 @@ BEFORE = [
     "training.shared_prefix=false",
     "training.zero_stage=2",
 ]
-LEAN = ["training.gradient_checkpointing=true", "training.lm_head_chunk=256"]
-SIDES = {"trl": None, "project": [], "project-before": BEFORE, "project-lean": LEAN}
+BF16_ENGINE = ["generation.dtype=bfloat16"]
+LEAN = ["training.gradient_checkpointing=true", "training.lm_head_chunk=256", *BF16_ENGINE]
+SIDES = {
+    "trl": None,
+    "project": [],
+    "project-before": BEFORE,
+    "project-bf16": BF16_ENGINE,
+    "project-lean": LEAN,
+}
 """Each side and its project overrides: "project-before" turns off the trainer's optimisations
 (token-budget micro-batches, LM head at loss tokens, shared-prefix packs, ZeRO stage 0 on one
-rank): 8 rows per forward and full logits, as TRL runs them, under ZeRO-2. "project-lean" trades
-training time for memory: activation checkpointing and LM-head chunks of 256 loss tokens."""
+rank): 8 rows per forward and full logits, as TRL runs them, under ZeRO-2. "project-bf16" samples
+with a bfloat16 engine (the fp32 trainer's mismatch corrected by training.engine_is, as verl and
+OpenRLHF run bf16 vLLM beside fp32 training). "project-lean" trades training time for memory:
+activation checkpointing and LM-head chunks of 256 loss tokens, with the bfloat16 engine."""
 LABELS = {
     "trl": "TRL GRPOTrainer",
     "project": "project",
     "project-before": "project, before",
-    "project-lean": "project, checkpointed",
+    "project-bf16": "project, bf16 engine",
+    "project-lean": "project, lean",
 }
 PARTS = ("time_step", "time_generate", "time_train", "time_sync")
+ENGINE_MISMATCH = ("train_engine_kl", "train_engine_capped_frac", "train_engine_ratio_max")
+"""The step's engine/trainer mismatch (KL of the engine's sampled tokens to the trainer's pi_old,
+the share of tokens whose importance ratio was capped, the largest ratio): what a bf16 engine
+costs in fidelity."""
 
 
 def memory_used_gib() -> float:
@@ -209,6 +223,7 @@ def run_project(config_path: Path, out: Path) -> None:
         for step in range(cfg.run.steps):
             m = trainer.step(step)
             record = {k: m[k] for k in (*PARTS, "tokens_generated", "reward_mean")}
+            record.update({k: m[k] for k in ENGINE_MISMATCH if k in m})
             with out.open("a") as f:
                 f.write(json.dumps({"step": step, **record}) + "\n")
         comps.shutdown()
@@ -257,6 +272,9 @@ def summarise(runs: list[dict]) -> dict[str, float]:
     """Medians over every measured step of every run of one side."""
     steps = [s for r in runs for s in r["steps"]]
     out = {p: statistics.median(s.get(p, 0.0) for s in steps) for p in PARTS}
+    for key in ENGINE_MISMATCH:
+        if key in steps[0]:
+            out[key] = statistics.median(s[key] for s in steps)
     if "time_forward" in steps[0]:
         out["time_forward"] = statistics.median(s["time_forward"] for s in steps)
     out["tokens_per_s"] = statistics.median(s["tokens_generated"] / s["time_step"] for s in steps)
@@ -299,6 +317,15 @@ def format_table(result: dict[str, dict[str, float]], title: str) -> str:
                     f"{r['peak_gib'] / trl['peak_gib']:.2f} (the machine's), "
                     f"{r['tree_peak_gib'] / trl['tree_peak_gib']:.2f} (their processes')."
                 )
+    mismatch = [(side, r) for side, r in result.items() if "train_engine_kl" in r]
+    if mismatch:
+        lines += ["", "Engine/trainer mismatch (medians over steps):", ""]
+        for side, r in mismatch:
+            lines.append(
+                f"- {LABELS[side]}: KL(engine || trainer) per token {r['train_engine_kl']:.2e}, "
+                f"ratio capped at {r['train_engine_capped_frac']:.2%} of tokens, largest ratio "
+                f"{r['train_engine_ratio_max']:.3f}"
+            )
     lines += ["", "Each side's processes at its peak (GiB, anonymous + shared PSS):", ""]
     for side, r in result.items():
         parts = sorted(r["tree_at_peak_gib"].items(), key=lambda kv: -kv[1])
