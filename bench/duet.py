@@ -21,6 +21,7 @@ defaults to three variants, 4 steps and one seed.
 
     .venv/bin/python bench/duet.py                                    # tiny: 12 steps, 3 seeds
     .venv/bin/python bench/duet.py --preset smollm2                   # 4 steps, seed 0
+    .venv/bin/python bench/duet.py --preset smollm2-long  # issue part 3: 5 variants x 3 seeds
     .venv/bin/python bench/duet.py --steps 2 --seeds 0 --variants "grpo b=1" "duet b=0.5"
 """
 
@@ -97,6 +98,23 @@ PRESETS = {
         seeds=[0],
         n_train=16,
         variants=["grpo b=1", "grpo b=0.5", "duet b=0.5"],
+    ),
+    # configs/smollm2-duet-long.yaml: the paper's regime (issue part 3), SmolLM2 warmed up to
+    # reason at length and box nearly every answer (bench/duet_warmup.py measures it), max_tokens
+    # 256, stop-rule clamps scaled by 256 / 3072. The issue's five variants, three seeds: hours.
+    "smollm2-long": Preset(
+        label="SmolLM2-135M long-reasoning warm-up (LoRA, configs/smollm2-duet-long.yaml)",
+        config=ROOT / "configs" / "smollm2-duet-long.yaml",
+        steps=10,
+        seeds=[0, 1, 2],
+        n_train=16,
+        variants=[
+            "grpo b=1",
+            "duet b=1",
+            "duet b=0.5",
+            "duet-alloc-only b=1",
+            "duet-abort-only b=1",
+        ],
     ),
 }
 

@@ -75,7 +75,23 @@ class ModelConfig(Section):
     )
     seed: int = Field(0, description="Seed for building the tiny model.")
     sft_warmup_steps: int = Field(
-        0, ge=0, description="Supervised warm-up steps on reference solutions (tiny model)."
+        0,
+        ge=0,
+        description="Supervised warm-up steps on reference solutions, full fine-tuning of any "
+        "model (tiny or real), cached by content.",
+    )
+    sft_warmup_lr: float = Field(
+        1e-3,
+        gt=0.0,
+        description="Peak learning rate of the warm-up (1e-3 suits the tiny model; a pretrained "
+        "one wants ~1e-5 to 1e-4).",
+    )
+    sft_warmup_batch_size: int = Field(16, gt=0, description="Solutions per warm-up step.")
+    sft_warmup_problems: int | None = Field(
+        None,
+        gt=0,
+        description="Training problems the warm-up draws from (None: task.n_train), so RL can "
+        "keep a small recurring prompt pool while the warm-up sees many.",
     )
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
@@ -96,6 +112,11 @@ class DifficultyConfig(Section):
     )
     verbosity: int = Field(
         0, ge=0, description="Up to N re-check lines per step in reference solutions (verbose SFT)."
+    )
+    reasoning: Literal["short", "long"] = Field(
+        "short",
+        description="Reference-solution style (arithmetic): 'long' writes every step out, slips "
+        "and corrects some, and always ends in \\boxed{} (the reasoning start of DUET's regime).",
     )
 
     @model_validator(mode="after")
@@ -191,9 +212,12 @@ class TaskConfig(Section):
         return self
 
     def cache_key(self) -> dict[str, Any]:
-        """The task's settings for cache keys; an empty field map is left out, so keys made
-        before task.fields existed still match."""
-        return self.model_dump(mode="json", exclude=None if self.fields.mapping() else {"fields"})
+        """The task's settings for cache keys; an empty field map and the default reasoning are
+        left out, so keys made before task.fields / difficulty.reasoning existed still match."""
+        exclude: dict[str, Any] = {} if self.fields.mapping() else {"fields": True}
+        if self.difficulty.reasoning == "short":
+            exclude["difficulty"] = {"reasoning"}  # likewise for keys made before reasoning
+        return self.model_dump(mode="json", exclude=exclude or None)
 
 
 class GenerationConfig(Section):

@@ -285,6 +285,36 @@ def _json_safe(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def warmed_model(cfg: Config, model_dir: Path, train_problems: list[Problem]) -> Path:
+    """`model_dir` after the SFT warm-up of `cfg.model` (sft_warmup_*), cached by content.
+
+    With model.sft_warmup_problems set, the warm-up draws from that many training problems (the
+    RL pool, task.n_train of them, is their prefix), and the cache entry does not depend on
+    task.n_train, so a bench that resizes the pool reuses the warmed model."""
+    m = cfg.model
+    task_key = cfg.task.cache_key()
+    problems = train_problems
+    if m.sft_warmup_problems is not None:
+        task_key = {k: v for k, v in task_key.items() if k != "n_train"}
+        task_key["sft_problems"] = m.sft_warmup_problems
+        problems, _ = load_task(cfg.task.model_copy(update={"n_train": m.sft_warmup_problems}))
+    if (m.sft_warmup_lr, m.sft_warmup_batch_size) != (1e-3, 16):
+        task_key["sft"] = [m.sft_warmup_lr, m.sft_warmup_batch_size]  # defaults keep old keys
+    # one cache entry per (model, steps, task): switching presets never rebuilds another's
+    digest = hashlib.sha1(json.dumps(task_key, sort_keys=True).encode()).hexdigest()[:10]
+    out = cache_dir() / "models" / f"{model_dir.name}-sft{m.sft_warmup_steps}-{digest}"
+    return sft_warmup(
+        model_dir,
+        problems,
+        out,
+        steps=m.sft_warmup_steps,
+        lr=m.sft_warmup_lr,
+        batch_size=m.sft_warmup_batch_size,
+        instruction=cfg.task.instruction,
+        chat_template=cfg.task.chat_template,
+    )
+
+
 def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
     """Everything that can fail on bad input, done before any actor starts."""
     try:
@@ -314,18 +344,7 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
     except ValueError as err:
         raise ConfigError(f"invalid config: {err}") from None
     if cfg.model.sft_warmup_steps:
-        # one cache entry per (model, steps, task): switching presets never rebuilds another's
-        task_key = hashlib.sha1(json.dumps(cfg.task.cache_key(), sort_keys=True).encode())
-        name = f"{model_dir.name}-sft{cfg.model.sft_warmup_steps}-{task_key.hexdigest()[:10]}"
-        out = cache_dir() / "models" / name
-        model_dir = sft_warmup(
-            model_dir,
-            train_problems,
-            out,
-            steps=cfg.model.sft_warmup_steps,
-            instruction=cfg.task.instruction,
-            chat_template=cfg.task.chat_template,
-        )
+        model_dir = warmed_model(cfg, model_dir, train_problems)
     return model_dir, train_problems, test_problems
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from rlvr.tasks.base import Problem
 
 Style = Literal["expression", "words", "mixed"]
+Reasoning = Literal["short", "long"]
 Split = Literal["train", "test"]
 
 NAMES = (("Tom", "He"), ("Ana", "She"), ("Lee", "He"), ("Mia", "She"), ("Sam", "He"))
@@ -47,6 +48,7 @@ class ArithmeticDifficulty:
     operators: str = "+-"
     style: Style = "expression"
     verbosity: int = 0
+    reasoning: Reasoning = "short"
 
     def __post_init__(self) -> None:
         if self.min_steps < 1 or self.max_steps < self.min_steps:
@@ -59,6 +61,8 @@ class ArithmeticDifficulty:
             raise ValueError("style must be 'expression', 'words' or 'mixed'")
         if self.verbosity < 0:
             raise ValueError("verbosity must be >= 0")
+        if self.reasoning not in ("short", "long"):
+            raise ValueError("reasoning must be 'short' or 'long'")
 
 
 def _step(value: int, symbol: str, operand: int) -> int:
@@ -93,6 +97,54 @@ def _solution(computation: Computation, verbosity: int = 0) -> str:
             digest = hashlib.sha1(f"{computation}/{i}".encode()).digest()
             lines.extend([f"Check again: {line}."] * (digest[0] % (verbosity + 1)))
     return "\n".join(lines) + f"\nThe answer is \\boxed{{{values[-1]}}}."
+
+
+WORDED = {
+    "+": "We add {o} to {v}. ",
+    "-": "We subtract {o} from {v}. ",
+    "*": "We multiply {v} by {o}. ",
+}
+CORRECTION_RATE = 64
+"""Out of 256: the share of steps whose long trace first writes a wrong result, then corrects it."""
+
+
+def _slip(value: int, digest: bytes) -> int:
+    """A plausible wrong result near `value` (off by 1, 2 or 10), never equal to it."""
+    off = (1, 2, 10)[digest[2] % 3] * (1 if digest[3] % 2 else -1)
+    return value + off
+
+
+def _long_solution(computation: Computation) -> str:
+    """Step-by-step trace for reasoning models (arXiv:2605.08441 assumes a policy that reasons at
+    length, then writes its answer marker): each step written out, about a quarter of them first
+    slipped then corrected ("Wait, ..."), and a detail level (terse, worded, worded plus a final
+    re-check) hashed from the computation, so lengths spread at every number of steps and a
+    correct answer is not simply a short one. Always ends with a sentence holding `\\boxed{}`."""
+    values = _values(computation)
+    detail = hashlib.sha1(f"{computation}/detail".encode()).digest()[0] % 3
+    lines = ["Let me solve this step by step.", f"We start with {values[0]}."]
+    corrections = 0
+    for i, (symbol, operand) in enumerate(computation[1]):
+        digest = hashlib.sha1(f"{computation}/long/{i}".encode()).digest()
+        before, after = values[i], values[i + 1]
+        head = f"Step {i + 1}: " + (WORDED[symbol].format(v=before, o=operand) if detail else "")
+        if digest[1] < CORRECTION_RATE:
+            corrections += 1
+            wrong = _slip(after, digest)
+            lines.append(f"{head}{before} {symbol} {operand} = {wrong}.")
+            lines.append(
+                f"Wait, {before} {symbol} {operand} is {after}, not {wrong}. "
+                f"So the result is {after}."
+            )
+        else:
+            lines.append(f"{head}{before} {symbol} {operand} = {after}.")
+    if detail == 2 and corrections < 2:  # bounds the longest trace (under 256 tokens)
+        chain = ", ".join(
+            f"{values[i]} {s} {o} = {values[i + 1]}" for i, (s, o) in enumerate(computation[1])
+        )
+        lines.append(f"Check: {chain}. Correct.")
+    lines.append(f"So the final answer is \\boxed{{{values[-1]}}}.")
+    return "\n".join(lines)
 
 
 def _expression(computation: Computation) -> str:
@@ -174,7 +226,11 @@ class ArithmeticTask:
                 id="arith-" + hashlib.sha1(prompt.encode()).hexdigest()[:12],
                 prompt=prompt,
                 answer=str(_values(computation)[-1]),
-                solution=_solution(computation, self.difficulty.verbosity),
+                solution=(
+                    _long_solution(computation)
+                    if self.difficulty.reasoning == "long"
+                    else _solution(computation, self.difficulty.verbosity)
+                ),
             )
             yield computation, problem
 

@@ -102,3 +102,22 @@ def test_rejects_problems_without_solutions(tiny, tmp_path):
     with pytest.raises(ValueError, match="steps"):
         sft_warmup(tiny, [PROBLEM], tmp_path / "x", steps=0)
     assert not (tmp_path / "x").exists()
+
+
+def test_warm_up_is_a_cache_hit_and_samples_box_their_answer(tiny, memorized, tmp_path):
+    """A repeat warm-up returns the cached model untouched; the warmed model's sampled rollouts
+    (T 0.9, top-p 0.95, as DUET's preset) write the \\boxed{} marker (bench/duet_warmup.py)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from duet_warmup import sample_stats
+
+    stamp = (memorized / MARKER).stat().st_mtime_ns
+    again = sft_warmup(tiny, [PROBLEM], memorized, steps=40, lr=3e-3, batch_size=2, seed=0)
+    assert again == memorized and (memorized / MARKER).stat().st_mtime_ns == stamp
+    stats = sample_stats(
+        memorized, [PROBLEM], 8, 0.9, 0.95, 24, "Put your final answer in \\boxed{}."
+    )
+    assert stats["rollouts"] == 8 and stats["marker_rate"] >= 0.75
+    assert stats["correct_tokens"]["n"] + stats["wrong_tokens"]["n"] == 8

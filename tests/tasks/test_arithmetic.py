@@ -169,3 +169,37 @@ def test_verbosity_pads_solutions_only():
         checks.append(len(extra))
     assert min(checks) < max(checks)  # the corpus spans several lengths
     assert padded == verbose.problems("train", 50)  # deterministic
+
+
+def test_long_reasoning_solutions_box_the_answer_correct_and_spread():
+    """reasoning='long' (DUET's regime, arXiv:2605.08441): every trace ends in the boxed gold
+    answer, some steps slip and are corrected, and lengths spread."""
+    difficulty = ArithmeticDifficulty(
+        min_steps=1, max_steps=4, max_operand=30, operators="+-*", style="mixed", reasoning="long"
+    )
+    problems = ArithmeticTask(difficulty, seed=0).problems("train", 300)
+    for p in problems:
+        last = p.solution.splitlines()[-1]
+        assert last == f"So the final answer is \\boxed{{{p.answer}}}."
+    corrected = [p for p in problems if "Wait, " in p.solution]
+    assert 0.2 < len(corrected) / len(problems) < 0.8
+    for p in corrected:
+        wait = next(line for line in p.solution.splitlines() if line.startswith("Wait, "))
+        assert ", not " in wait and "So the result is" in wait
+    lengths = sorted(len(p.solution) for p in problems)
+    assert lengths[-1] > 4 * lengths[0]
+
+
+def test_reasoning_is_validated_and_short_keeps_the_old_solutions():
+    with pytest.raises(ValueError, match="reasoning"):
+        ArithmeticDifficulty(reasoning="medium")
+    old = ArithmeticTask(ArithmeticDifficulty(), seed=0).problems("train", 5)
+    assert all(p.solution.startswith(p.solution.split("\n")[0]) for p in old)
+    assert not any("Step 1" in p.solution for p in old)
+
+
+def test_config_rejects_a_bad_reasoning_naming_the_key():
+    with pytest.raises(ValueError, match="task.difficulty.reasoning"):
+        load_config(None, ["task.difficulty.reasoning=medium"])
+    cfg = load_config("configs/smollm2-duet-long.yaml", [])
+    assert cfg.task.difficulty.reasoning == "long" and cfg.generation.max_tokens >= 256

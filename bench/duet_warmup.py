@@ -1,0 +1,161 @@
+"""The long-reasoning start model of DUET's regime (arXiv:2605.08441): warm up a config's model
+(model.sft_warmup_*, cached by content, exactly the model `rlvr train` then starts from) and
+measure it on held-out prompts at the config's sampling: the share of rollouts that write
+`\\boxed{}` before max_tokens (target >= 0.95), accuracy, and token lengths of correct / wrong
+responses. Sampling is transformers' (temperature, top-p of the config), K samples per prompt.
+
+    nice -n 15 .venv/bin/python bench/duet_warmup.py                 # configs/smollm2-duet-long.yaml
+    .venv/bin/python bench/duet_warmup.py --config configs/tiny.yaml --prompts 8 --samples 2
+
+Writes bench/out/duet_warmup/results.md and results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlvr.config import load_config
+from rlvr.models.sft import MARKER, boxed_answer_matches
+from rlvr.tasks.base import Problem
+from rlvr.tasks.prompts import render_prompt
+from rlvr.verifiers.extract import last_boxed
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@torch.no_grad()
+def sample_stats(
+    model_dir: Path,
+    problems: list[Problem],
+    samples: int,
+    temperature: float,
+    top_p: float,
+    max_tokens: int,
+    instruction: str,
+    chat_template: bool = True,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> dict[str, Any]:
+    """Marker rate, accuracy and length distribution of `samples` sampled rollouts per problem."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    jobs = [p for p in problems for _ in range(samples)]
+    rows: list[dict[str, Any]] = []
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
+        prompts = [render_prompt(tokenizer, p, instruction, chat_template) for p in chunk]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
+        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=max_tokens,
+            do_sample=True,
+            temperature=temperature,
+            top_p=top_p,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+        for problem, completion in zip(chunk, out[:, width:].tolist(), strict=True):
+            n = completion.index(eos) + 1 if eos in completion else len(completion)
+            text = tokenizer.decode(completion[:n], skip_special_tokens=True)
+            rows.append(
+                {
+                    "tokens": n,
+                    "marker": last_boxed(text) is not None,
+                    "correct": boxed_answer_matches(text, problem.answer),
+                }
+            )
+    return summarize(rows)
+
+
+def _dist(lengths: list[int]) -> dict[str, float | None]:
+    if not lengths:
+        return {"n": 0, "median": None, "p90": None}
+    ordered = sorted(lengths)
+    return {
+        "n": len(ordered),
+        "median": statistics.median(ordered),
+        "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+    }
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Marker rate, accuracy and correct / wrong length distributions of per-rollout rows."""
+    n = len(rows)
+    return {
+        "rollouts": n,
+        "marker_rate": sum(r["marker"] for r in rows) / n,
+        "accuracy": sum(r["correct"] for r in rows) / n,
+        "correct_tokens": _dist([r["tokens"] for r in rows if r["correct"]]),
+        "wrong_tokens": _dist([r["tokens"] for r in rows if not r["correct"]]),
+    }
+
+
+def main() -> None:
+    from workflows.train import prepare
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2-duet-long.yaml"))
+    ap.add_argument("--prompts", type=int, default=64, help="held-out prompts")
+    ap.add_argument("--samples", type=int, default=4, help="rollouts per prompt")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "duet_warmup"))
+    args = ap.parse_args()
+    cfg = load_config(args.config, [])
+    t0 = time.perf_counter()
+    model_dir, _, test = prepare(cfg)
+    sft_s = time.perf_counter() - t0
+    gen = cfg.generation
+    stats = sample_stats(
+        model_dir,
+        test[: args.prompts],
+        args.samples,
+        gen.temperature,
+        gen.top_p,
+        gen.max_tokens,
+        cfg.task.instruction,
+        cfg.task.chat_template,
+    )
+    marker = model_dir / MARKER
+    result = {
+        "config": args.config,
+        "model_dir": str(model_dir),
+        "prepare_s": round(sft_s, 1),
+        "sft": json.loads(marker.read_text()) if marker.is_file() else None,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "max_tokens": gen.max_tokens,
+        **stats,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    c, w = stats["correct_tokens"], stats["wrong_tokens"]
+    (out / "results.md").write_text(
+        f"# Long-reasoning warm-up ({args.config})\n\n"
+        f"{stats['rollouts']} rollouts ({args.prompts} held-out prompts x {args.samples}) at "
+        f"T {gen.temperature}, top-p {gen.top_p}, max_tokens {gen.max_tokens}; warm-up (or cache "
+        f"hit) {sft_s:.0f} s, final SFT loss {(result['sft'] or {}).get('final_loss')}.\n\n"
+        "| marker rate | accuracy | correct: n / median / p90 tokens | wrong: n / median / p90 |\n"
+        "|---|---|---|---|\n"
+        f"| {stats['marker_rate']:.3f} | {stats['accuracy']:.3f} | {c['n']} / {c['median']} / "
+        f"{c['p90']} | {w['n']} / {w['median']} / {w['p90']} |\n"
+    )
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
