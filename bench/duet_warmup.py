@@ -22,9 +22,8 @@ from typing import Any
 import torch
 
 from rlvr.config import load_config
-from rlvr.models.sft import MARKER, boxed_answer_matches
+from rlvr.models.sft import MARKER, boxed_answer_matches, completions
 from rlvr.tasks.base import Problem
-from rlvr.tasks.prompts import render_prompt
 from rlvr.verifiers.extract import last_boxed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,41 +43,32 @@ def sample_stats(
     batch_size: int = 64,
 ) -> dict[str, Any]:
     """Marker rate, accuracy and length distribution of `samples` sampled rollouts per problem."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     jobs = [p for p in problems for _ in range(samples)]
     rows: list[dict[str, Any]] = []
-    for start in range(0, len(jobs), batch_size):
-        chunk = jobs[start : start + batch_size]
-        prompts = [render_prompt(tokenizer, p, instruction, chat_template) for p in chunk]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
-        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=attn,
-            max_new_tokens=max_tokens,
-            do_sample=True,
-            temperature=temperature,
-            top_p=top_p,
-            eos_token_id=eos,
-            pad_token_id=pad,
+    sampled = completions(
+        model_dir,
+        jobs,
+        instruction,
+        max_tokens,
+        batch_size,
+        chat_template,
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+    )
+    for problem, ids in sampled:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        rows.append(
+            {
+                "tokens": len(ids),
+                "marker": last_boxed(text) is not None,
+                "correct": boxed_answer_matches(text, problem.answer),
+            }
         )
-        for problem, completion in zip(chunk, out[:, width:].tolist(), strict=True):
-            n = completion.index(eos) + 1 if eos in completion else len(completion)
-            text = tokenizer.decode(completion[:n], skip_special_tokens=True)
-            rows.append(
-                {
-                    "tokens": n,
-                    "marker": last_boxed(text) is not None,
-                    "correct": boxed_answer_matches(text, problem.answer),
-                }
-            )
     return summarize(rows)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,43 @@ def boxed_answer_matches(response: str, gold: str) -> bool:
 
 
 @torch.no_grad()
+def completions(
+    model_dir: str | Path,
+    problems: list[Problem],
+    instruction: str = DEFAULT_INSTRUCTION,
+    max_new_tokens: int = 64,
+    batch_size: int = 32,
+    chat_template: bool = True,
+    **sampling: Any,
+) -> Iterator[tuple[Problem, list[int]]]:
+    """Each problem with its transformers completion's token ids (through the first EOS), in
+    batches; `sampling` goes to `generate` (do_sample, temperature, top_p; greedy by default)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    sampling.setdefault("do_sample", False)
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        prompts = [render_prompt(tokenizer, p, instruction, chat_template) for p in chunk]
+        width = max(map(len, prompts))
+        # Left padding keeps every prompt's last token at the same position for generate().
+        ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
+        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **sampling,
+        )
+        for problem, completion in zip(chunk, out[:, width:].tolist(), strict=True):
+            yield problem, completion[: completion.index(eos) + 1 if eos in completion else None]
+
+
 def greedy_accuracy(
     model_dir: str | Path,
     problems: list[Problem],
@@ -153,29 +191,12 @@ def greedy_accuracy(
     The check used to report what SFT warm-up buys before RL starts (not the training reward,
     which goes through the verifiers).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    correct = 0
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start : start + batch_size]
-        prompts = [render_prompt(tokenizer, p, instruction, chat_template) for p in chunk]
-        width = max(map(len, prompts))
-        # Left padding keeps every prompt's last token at the same position for generate().
-        ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts])
-        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts])
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=attn,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
-        for problem, completion in zip(chunk, out[:, width:], strict=True):
-            text = tokenizer.decode(completion, skip_special_tokens=True)
-            correct += boxed_answer_matches(text, problem.answer)
+    done = completions(model_dir, problems, instruction, max_new_tokens, batch_size, chat_template)
+    correct = sum(
+        boxed_answer_matches(tokenizer.decode(ids, skip_special_tokens=True), problem.answer)
+        for problem, ids in done
+    )
     return correct / len(problems)
