@@ -21,7 +21,7 @@ defaults to three variants, 4 steps and one seed.
 
     .venv/bin/python bench/duet.py                                    # tiny: 12 steps, 3 seeds
     .venv/bin/python bench/duet.py --preset smollm2                   # 4 steps, seed 0
-    .venv/bin/python bench/duet.py --preset smollm2-long  # issue part 3: 5 variants x 3 seeds
+    .venv/bin/python bench/duet.py --preset smollm2-long  # 5 variants x 3 seeds
     .venv/bin/python bench/duet.py --steps 2 --seeds 0 --variants "grpo b=1" "duet b=0.5"
 """
 
@@ -99,9 +99,10 @@ PRESETS = {
         n_train=16,
         variants=["grpo b=1", "grpo b=0.5", "duet b=0.5"],
     ),
-    # configs/smollm2-duet-long.yaml: the paper's regime (issue part 3), SmolLM2 warmed up to
+    # configs/smollm2-duet-long.yaml: the paper's regime: SmolLM2 warmed up to
     # reason at length and box nearly every answer (bench/duet_warmup.py measures it), max_tokens
-    # 256, stop-rule clamps scaled by 256 / 3072. The issue's five variants, three seeds: hours.
+    # 256, stop-rule clamps scaled by 256 / 3072. GRPO, DUET at b 1 and 0.5 and both ablations at
+    # b 1, three seeds: hours.
     "smollm2-long": Preset(
         label="SmolLM2-135M long-reasoning warm-up (LoRA, configs/smollm2-duet-long.yaml)",
         config=ROOT / "configs" / "smollm2-duet-long.yaml",
