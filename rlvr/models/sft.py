@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from rlvr.models.tiny import publish_dir, staging_dir
 from rlvr.tasks.base import Problem
@@ -110,7 +111,9 @@ def sft_warmup(
     draw = torch.Generator().manual_seed(seed)
     model.train()
     loss = torch.tensor(float("nan"))
-    for _ in range(steps):
+    # minutes on a real model: the bar says how far, the loss whether it learns
+    bar = tqdm(range(steps), desc=f"SFT warm-up {model_dir.name}", unit="step", leave=False)
+    for _ in bar:
         picked = torch.randint(len(examples), (batch_size,), generator=draw).tolist()
         loss = model(**_batch([examples[i] for i in picked], pad)).loss
         loss.backward()
@@ -118,6 +121,7 @@ def sft_warmup(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
 
     staging = staging_dir(out)
     model.save_pretrained(staging)
