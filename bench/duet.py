@@ -12,7 +12,10 @@ round(8b) rollouts per prompt; DAPO samples 8 per prompt, drops all-equal groups
 with fresh prompts (up to 3 rounds), paying for every generated token. The prompt pool is small
 so prompts recur (DUET's allocator needs revisits: arXiv:2605.08441, Sec. 2 assumes several
 epochs over a fixed prompt pool). Timing medians skip the first `--warmup` steps; held-out
-accuracy is greedy after the last step.
+accuracy is greedy after the last step. After it, a probe samples held-out prompts at the
+training sampler for every variant: the share of rollouts with no answer marker and, where the
+stop rule runs, the share it would abort and how many of those would have been correct had they
+run on (`abort_probe`).
 
 The tiny preset runs all nine variants by default: a 1-step run of all nine took 3.5 min with
 startup and peaked at about 14 GiB (2 cores), so the default 12 steps x 3 seeds should take
@@ -152,6 +155,9 @@ def variants() -> dict[str, tuple[str, float, list[str]]]:
 
 VARIANT_NAMES = list(variants())
 CONTROLLER_KEYS = ("time_plan", "time_duet_state")
+# The post-training abort probe: held-out prompts (x N_REF rollouts) and its sampling seed.
+PROBE_PROMPTS = 16
+PROBE_SEED = 9_000_001
 
 
 def run_seed(
@@ -203,10 +209,51 @@ def run_seed(
                     out[name]["steps"].append(trainers[name].step(step))
             for name, trainer in trainers.items():
                 out[name]["eval"] = trainer.evaluate(steps - 1)
+                out[name]["probe"] = abort_probe(trainer, out[name]["steps"][-1], steps - 1)
         finally:
             for trainer in trainers.values():
                 trainer.comps.shutdown()
     return out
+
+
+def abort_probe(trainer: Any, last: dict[str, Any], step: int) -> dict[str, float]:
+    """What the trained policy's rollouts look like to DUET's stop rule, on held-out prompts.
+
+    PROBE_PROMPTS held-out prompts x N_REF rollouts at the training sampler: the share that end
+    with no answer marker (marker-less), and, for variants whose engine runs the stop rule, the
+    rollouts it would abort and the share of those that would have been correct. The rule runs
+    with the last step's K1/K2 and eps_abort = 1, so every rollout it would abort is kept and runs
+    on to EOS or max_tokens instead (flagged eps_kept, arXiv:2605.08441 Eq. 5's keep branch)."""
+    import numpy as np
+
+    from rlvr.algorithms.duet.stop import has_marker
+
+    cfg = trainer.cfg
+    problems = trainer.test_problems[:PROBE_PROMPTS]
+    stop = cfg.duet_stop(last["duet_k1"], last["duet_k2"], step) if "duet_k1" in last else None
+    if stop is not None:
+        stop["eps_abort"] = 1.0
+    rollouts = trainer.services.generate(
+        problems,
+        {p.id: N_REF for p in problems},
+        cfg.generation.sampling_params(PROBE_SEED),
+        step,
+        duet_stop=stop,
+    )
+    trainer.services.verify(rollouts)
+    correct = rollouts.rewards >= 1.0
+    domain = cfg.algorithm.duet.domain
+    probe = {
+        "rollouts": len(rollouts),
+        "accuracy": float(correct.mean()),
+        "marker_less": float(np.mean([not has_marker(t, domain) for t in rollouts.texts])),
+    }
+    if stop is not None:
+        would = np.array([bool(f.get("eps_kept", False)) for f in rollouts.flags])
+        probe["would_abort"] = float(would.mean())
+        probe["would_abort_n"] = int(would.sum())
+        probe["would_abort_correct"] = float(correct[would].mean()) if would.any() else math.nan
+    return probe
 
 
 def summarize(runs: dict[int, dict[str, Any]], warmup: int) -> dict[str, dict[str, float]]:
@@ -233,6 +280,22 @@ def summarize(runs: dict[int, dict[str, Any]], warmup: int) -> dict[str, dict[st
                 sum(m.get(k, 0.0) for k in CONTROLLER_KEYS) / m["time_step"] for m in timed
             ),
         }
+        probes = [r["probe"] for r in per_seed]
+        row["marker_less"] = statistics.mean(pr["marker_less"] for pr in probes)
+        if "would_abort" in probes[0]:
+            row["would_abort"] = statistics.mean(pr["would_abort"] for pr in probes)
+            aborted = sum(pr["would_abort_n"] for pr in probes)
+            row["would_abort_n"] = aborted
+            row["would_abort_correct"] = (
+                sum(
+                    pr["would_abort_n"] * pr["would_abort_correct"]
+                    for pr in probes
+                    if pr["would_abort_n"]
+                )
+                / aborted
+                if aborted
+                else math.nan
+            )
         if method == "duet":
             row["abort_rate"] = statistics.median(m["duet_abort_rate"] for m in timed)
             row["n_std"] = statistics.median(m["duet_n_std"] for m in timed)
@@ -252,15 +315,19 @@ def format_table(
     rows: dict[str, dict[str, float]], seeds: list[int], steps: int, label: str
 ) -> str:
     """Markdown table of `summarize`'s rows (tokens and rollouts count every generated one,
-    DAPO's dropped groups included)."""
+    DAPO's dropped groups included) and the abort probe's columns (`abort_probe`)."""
     lines = [
         f"{label}, arithmetic, {steps} steps, seeds {seeds} (accuracy: mean ± sd over seeds; "
-        "per-step figures: medians).",
+        "per-step figures: medians). Probe, after training: "
+        f"{PROBE_PROMPTS} held-out prompts x {N_REF} rollouts at the training sampler per seed; "
+        "marker-less: share ending with no answer marker; would abort: share the stop rule (last "
+        "K1/K2) would abort, and of those, the share correct when run on (n pooled over seeds).",
         "",
         "| variant | held-out acc | tokens/step | rollouts/step | gen s/step | total s/step "
         "| speedup vs GRPO same b | speedup vs GRPO b=1 | controller % of step | abort rate "
-        "| n_q std | DAPO rounds | DAPO dropped groups |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| n_q std | DAPO rounds | DAPO dropped groups | marker-less | would abort "
+        "| would-abort correct (n) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         duet, dapo = r["method"] == "duet", r["method"] == "dapo"
@@ -270,9 +337,21 @@ def format_table(
             f"| {_ratio(r['speedup_same_b'])} | {_ratio(r['speedup_full'])} "
             f"| {100 * r['controller_frac']:.2f} "
             + (f"| {r['abort_rate']:.3f} | {r['n_std']:.2f} " if duet else "| - | - ")
-            + (f"| {r['dapo_rounds']:.1f} | {r['dapo_dropped']:.1f} |" if dapo else "| - | - |")
+            + (f"| {r['dapo_rounds']:.1f} | {r['dapo_dropped']:.1f} " if dapo else "| - | - ")
+            + f"| {r['marker_less']:.3f} "
+            + (
+                f"| {r['would_abort']:.3f} | {_share(r['would_abort_correct'])} "
+                f"({r['would_abort_n']}) |"
+                if "would_abort" in r
+                else "| - | - |"
+            )
         )
     return "\n".join(lines)
+
+
+def _share(x: float) -> str:
+    """A share cell; '-' where nothing was counted."""
+    return "-" if math.isnan(x) else f"{x:.3f}"
 
 
 def _ratio(x: float) -> str:
