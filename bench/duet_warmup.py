@@ -95,6 +95,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _loss(sft: dict[str, Any] | None) -> str:
+    """The warm-up's last batch loss as the report shows it; '-' without a warm-up record."""
+    return f"{sft['final_loss']:.3f}" if sft else "-"
+
+
 def main() -> None:
     from workflows.train import prepare
 
@@ -105,6 +110,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "duet_warmup"))
     args = ap.parse_args()
     cfg = load_config(args.config, [])
+    config = Path(args.config).resolve()
+    shown = str(config.relative_to(ROOT) if config.is_relative_to(ROOT) else config)
     t0 = time.perf_counter()
     model_dir, _, test = prepare(cfg)
     sft_s = time.perf_counter() - t0
@@ -121,7 +128,7 @@ def main() -> None:
     )
     marker = model_dir / MARKER
     result = {
-        "config": args.config,
+        "config": shown,
         "model_dir": str(model_dir),
         "prepare_s": round(sft_s, 1),
         "sft": json.loads(marker.read_text()) if marker.is_file() else None,
@@ -135,10 +142,10 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(result, indent=2))
     c, w = stats["correct_tokens"], stats["wrong_tokens"]
     (out / "results.md").write_text(
-        f"# Long-reasoning warm-up ({args.config})\n\n"
+        f"# Long-reasoning warm-up ({shown})\n\n"
         f"{stats['rollouts']} rollouts ({args.prompts} held-out prompts x {args.samples}) at "
         f"T {gen.temperature}, top-p {gen.top_p}, max_tokens {gen.max_tokens}; warm-up (or cache "
-        f"hit) {sft_s:.0f} s, final SFT loss {(result['sft'] or {}).get('final_loss')}.\n\n"
+        f"hit) {sft_s:.0f} s, final SFT loss {_loss(result['sft'])}.\n\n"
         "| marker rate | accuracy | correct: n / median / p90 tokens | wrong: n / median / p90 |\n"
         "|---|---|---|---|\n"
         f"| {stats['marker_rate']:.3f} | {stats['accuracy']:.3f} | {c['n']} / {c['median']} / "
