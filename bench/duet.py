@@ -26,6 +26,8 @@ defaults to three variants, 4 steps and one seed.
     .venv/bin/python bench/duet.py --preset smollm2                   # 4 steps, seed 0
     .venv/bin/python bench/duet.py --preset smollm2-long  # 5 variants x 3 seeds
     .venv/bin/python bench/duet.py --steps 2 --seeds 0 --variants "grpo b=1" "duet b=0.5"
+    .venv/bin/python bench/duet.py --preset smollm2-long --seeds 1 --out bench/out/duet/s1
+    .venv/bin/python bench/duet.py --preset smollm2-long --merge bench/out/duet/s*/*.json
 """
 
 from __future__ import annotations
@@ -401,6 +403,41 @@ def plot(runs: dict[int, dict[str, Any]], rows: dict[str, dict[str, float]], pat
     fig.savefig(path, dpi=110)
 
 
+def train_seeds(
+    preset: Preset, steps: int, seeds: list[int], args: argparse.Namespace
+) -> dict[int, dict[str, Any]]:
+    """`run_seed` for each seed on one Ray cluster."""
+    import ray
+
+    from rlvr.config import load_config
+    from workflows.cli import init_ray
+
+    names = args.variants or preset.variants
+    init_ray(load_config(preset.config, [*COMMON, *args.set]))
+    try:
+        return {
+            s: run_seed(preset, s, steps, args.n_train or preset.n_train, args.set, names)
+            for s in seeds
+        }
+    finally:
+        ray.shutdown()
+
+
+def merged_runs(paths: list[Path]) -> dict[int, dict[str, Any]]:
+    """The per-seed runs of several earlier outputs (a long preset's seeds run one at a time);
+    they must hold different seeds, the same variants and the same number of steps."""
+    runs: dict[int, dict[str, Any]] = {}
+    for path in paths:
+        for seed, run in json.loads(path.read_text())["runs"].items():
+            if int(seed) in runs:
+                raise SystemExit(f"--merge: seed {seed} appears twice ({path})")
+            runs[int(seed)] = run
+    shapes = {(tuple(r), len(next(iter(r.values()))["steps"])) for r in runs.values()}
+    if len(shapes) != 1:
+        raise SystemExit(f"--merge: runs differ in variants or steps: {sorted(shapes)}")
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model and base config")
@@ -417,25 +454,22 @@ def main() -> None:
     )
     ap.add_argument("--set", action="append", default=[], help="config override for all variants")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "duet"), help="output folder")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="train nothing: one table from earlier runs' duet_<preset>.json (seeds run apart)",
+    )
     args = ap.parse_args()
     preset = PRESETS[args.preset]
-    steps = args.steps or preset.steps
-    seeds = args.seeds or preset.seeds
-    names = args.variants or preset.variants
-
-    import ray
-
-    from rlvr.config import load_config
-    from workflows.cli import init_ray
-
-    init_ray(load_config(preset.config, [*COMMON, *args.set]))
-    try:
-        runs = {
-            s: run_seed(preset, s, steps, args.n_train or preset.n_train, args.set, names)
-            for s in seeds
-        }
-    finally:
-        ray.shutdown()
+    if args.merge:
+        runs = merged_runs(args.merge)
+        steps, seeds = len(next(iter(next(iter(runs.values())).values()))["steps"]), sorted(runs)
+    else:
+        steps = args.steps or preset.steps
+        seeds = args.seeds or preset.seeds
+        runs = train_seeds(preset, steps, seeds, args)
     rows = summarize(runs, args.warmup)
     table = format_table(rows, seeds, steps, preset.label)
     print(table)
