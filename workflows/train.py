@@ -298,8 +298,10 @@ def warmed_model(cfg: Config, model_dir: Path, train_problems: list[Problem]) ->
         task_key = {k: v for k, v in task_key.items() if k != "n_train"}
         task_key["sft_problems"] = m.sft_warmup_problems
         problems, _ = load_task(cfg.task.model_copy(update={"n_train": m.sft_warmup_problems}))
-    if (m.sft_warmup_lr, m.sft_warmup_batch_size) != (1e-3, 16):
-        task_key["sft"] = [m.sft_warmup_lr, m.sft_warmup_batch_size]  # defaults keep old keys
+    fields = type(m).model_fields
+    tuned = [m.sft_warmup_lr, m.sft_warmup_batch_size]
+    if tuned != [fields["sft_warmup_lr"].default, fields["sft_warmup_batch_size"].default]:
+        task_key["sft"] = tuned  # defaults keep old keys
     # one cache entry per (model, steps, task): switching presets never rebuilds another's
     digest = hashlib.sha1(json.dumps(task_key, sort_keys=True).encode()).hexdigest()[:10]
     out = cache_dir() / "models" / f"{model_dir.name}-sft{m.sft_warmup_steps}-{digest}"
