@@ -254,7 +254,7 @@ def abort_probe(trainer: Any, last: dict[str, Any], step: int) -> dict[str, floa
         would = np.array([bool(f.get("eps_kept", False)) for f in rollouts.flags])
         probe["would_abort"] = float(would.mean())
         probe["would_abort_n"] = int(would.sum())
-        probe["would_abort_correct"] = float(correct[would].mean()) if would.any() else math.nan
+        probe["would_abort_correct_n"] = int(correct[would].sum())
     return probe
 
 
@@ -288,16 +288,8 @@ def summarize(runs: dict[int, dict[str, Any]], warmup: int) -> dict[str, dict[st
             row["would_abort"] = statistics.mean(pr["would_abort"] for pr in probes)
             aborted = sum(pr["would_abort_n"] for pr in probes)
             row["would_abort_n"] = aborted
-            row["would_abort_correct"] = (
-                sum(
-                    pr["would_abort_n"] * pr["would_abort_correct"]
-                    for pr in probes
-                    if pr["would_abort_n"]
-                )
-                / aborted
-                if aborted
-                else math.nan
-            )
+            right = sum(pr["would_abort_correct_n"] for pr in probes)
+            row["would_abort_correct"] = right / aborted if aborted else math.nan
         if method == "duet":
             row["abort_rate"] = statistics.median(m["duet_abort_rate"] for m in timed)
             row["n_std"] = statistics.median(m["duet_n_std"] for m in timed)
@@ -423,9 +415,10 @@ def train_seeds(
         ray.shutdown()
 
 
-def merged_runs(paths: list[Path]) -> dict[int, dict[str, Any]]:
-    """The per-seed runs of several earlier outputs (a long preset's seeds run one at a time);
-    they must hold different seeds, the same variants and the same number of steps."""
+def merged_runs(paths: list[Path]) -> tuple[dict[int, dict[str, Any]], int]:
+    """The per-seed runs of several earlier outputs (a long preset's seeds run one at a time)
+    and their number of steps; they must hold different seeds, the same variants and the same
+    number of steps."""
     runs: dict[int, dict[str, Any]] = {}
     for path in paths:
         for seed, run in json.loads(path.read_text())["runs"].items():
@@ -435,7 +428,8 @@ def merged_runs(paths: list[Path]) -> dict[int, dict[str, Any]]:
     shapes = {(tuple(r), len(next(iter(r.values()))["steps"])) for r in runs.values()}
     if len(shapes) != 1:
         raise SystemExit(f"--merge: runs differ in variants or steps: {sorted(shapes)}")
-    return runs
+    [(_, steps)] = shapes
+    return runs, steps
 
 
 def main() -> None:
@@ -464,8 +458,8 @@ def main() -> None:
     args = ap.parse_args()
     preset = PRESETS[args.preset]
     if args.merge:
-        runs = merged_runs(args.merge)
-        steps, seeds = len(next(iter(next(iter(runs.values())).values()))["steps"]), sorted(runs)
+        runs, steps = merged_runs(args.merge)
+        seeds = sorted(runs)
     else:
         steps = args.steps or preset.steps
         seeds = args.seeds or preset.seeds
