@@ -1028,6 +1028,16 @@ class Config(Section):
                 "sync.transport: colocated hands weights from each policy rank to the engine "
                 "beside it; set resources.colocate: true or pick another transport"
             )
+        if (
+            self.sync.transport == "collective"
+            and self.resources.colocate
+            and self.resources.generator_gpus
+        ):
+            raise ValueError(
+                "sync.transport: collective would put policy rank 0 and engine 0, which "
+                "resources.colocate places on one GPU, in one NCCL group, and NCCL refuses two "
+                "ranks on one device; use colocated (or auto)"
+            )
         if method == "duet":
             self._check_duet()
         if method == "dro":

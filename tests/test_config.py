@@ -258,6 +258,15 @@ def test_colocated_transport_needs_colocation():
     assert not cpu.resources.engines_sleep  # vLLM's sleep mode needs a GPU
 
 
+def test_colocated_gpus_cannot_sync_over_nccl():
+    colocated = ["resources.colocate=true", "sync.transport=collective"]
+    load_config(None, colocated)  # gloo on CPU takes two ranks of one process group on a host
+    gpus = ["resources.policy_gpus=0.5", "resources.generator_gpus=0.5"]
+    with pytest.raises(ConfigError, match=r"sync.transport: collective .* NCCL refuses two ranks"):
+        load_config(None, [*colocated, *gpus])
+    assert load_config(None, [*colocated[:1], *gpus]).sync.transport == "auto"
+
+
 def test_laconic_defaults_and_dual_kwargs():
     cfg = load_config(None, ["algorithm.name=laconic", "algorithm.laconic.budget=64"])
     lc = cfg.algorithm.laconic
