@@ -1,18 +1,25 @@
-"""The colocated hand-over's pure part: a rank's buckets shared and copied out by the engine's
-stream, on CPU (the tensor itself) and, where a GPU is visible, by CUDA IPC between processes."""
+"""The colocated hand-over: a rank's buckets shared and copied out by the engine's stream, on CPU
+(the tensor itself) and, where a GPU is visible, by CUDA IPC between processes, up to a trained
+policy loaded into an engine on the same GPU."""
 
 from __future__ import annotations
 
-import multiprocessing
+import os
+import subprocess
+import sys
+from multiprocessing.connection import Listener
+from pathlib import Path
 
 import pytest
 import torch
 
+from rlvr.models.tiny import build_tiny_model
+from rlvr.training.batch import build_batch
+from rlvr.training.policy_trainer import PolicyTrainer
 from rlvr.training.weight_sync import (
     SharedBucketReceiver,
     SharedBuffer,
     TensorSpec,
-    open_shared,
     pack,
     plan_buckets,
     share_buffer,
@@ -78,21 +85,50 @@ def test_a_bucket_that_does_not_match_the_plan_is_refused():
         list(SharedBucketReceiver(buckets, lambda bucket: wrong, CPU))
 
 
-def _open_in_child(shared: SharedBuffer, queue) -> None:
-    tensor = open_shared(shared, torch.device("cuda", 0))
-    queue.put(tensor.cpu().tolist())
+SEQUENCES = [[1, 5, 9, 11, 12, 13], [2, 6, 14], [3, 7, 8, 15, 16, 17, 18]]
+POSITIONS = [[3, 4, 5], [2], [4, 5, 6]]
+LOGPROB_ATOL = 1e-4
+"""fp32 on one GPU with TF32 off (torch's default for matmuls): the DeepSpeed module and the
+engine's model run the same weights through kernels picked for different batch shapes, which
+moves log-probs by about 1e-6; a weight that did not arrive moves them by far more (asserted)."""
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_hands_a_bucket_to_another_process_on_the_same_device():
-    buffer = torch.arange(1024, dtype=torch.float32, device="cuda") / 3
-    shared = share_buffer(buffer)
-    assert shared.tensor is None and shared.device_uuid
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_open_in_child, args=(shared, queue))
-    child.start()
-    got = queue.get(timeout=120)
-    child.join(timeout=60)
-    assert child.exitcode == 0
-    assert torch.equal(torch.tensor(got), buffer.cpu())
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_an_engine_on_the_same_gpu_loads_the_trained_policy_by_cuda_ipc(tmp_path, zero_stage):
+    """The colocated sync end to end: a rank trained on the GPU hands its export over bucket by
+    bucket to an engine process on the same GPU, which then scores as the policy does."""
+    model_dir = build_tiny_model(tmp_path / "tiny", seed=0)
+    trainer = PolicyTrainer(model_dir, zero_stage=zero_stage, lr=5e-3, micro_batch_size=2, seed=0)
+    assert trainer.device.type == "cuda"
+    batch = build_batch([[1, 2, 3], [4, 5]], [[11, 12, 13], [14, 15]], pad_id=0)
+    batch.advantages = torch.tensor([1.0, -1.0])
+    for _ in range(2):
+        trainer.train_step(batch)
+    # buckets far smaller than the model: many hand-overs, each reusing the rank's buffer
+    buckets = plan_buckets(trainer.export_manifest(), torch.float32, 64 << 10)
+    assert len(buckets) > 4
+    authkey = os.urandom(16)
+    worker = Path(__file__).with_name("colocated_engine_worker.py")
+    with Listener(("127.0.0.1", 0), authkey=authkey) as listener:
+        host, port = listener.address
+        engine = subprocess.Popen([sys.executable, str(worker), host, str(port), authkey.hex()])
+        with listener.accept() as conn:
+            conn.send((str(model_dir), buckets, SEQUENCES, POSITIONS))
+            stream = trainer.iter_export_weights()
+            handed = 0
+            while (message := conn.recv()) == "next":
+                shared = pack(buckets[handed], stream, trainer.device)  # alive until the next ask
+                conn.send(share_buffer(shared))
+                handed += 1
+    assert engine.wait(timeout=60) == 0 and handed == len(buckets)
+    before, after = message
+    want = trainer.sequence_logprobs(SEQUENCES, POSITIONS)
+    for got, policy in zip(after, want, strict=True):
+        assert got == pytest.approx(policy, abs=LOGPROB_ATOL)
+    moved = [
+        abs(a - b)
+        for new, old in zip(after, before, strict=True)
+        for a, b in zip(new, old, strict=True)
+    ]
+    assert max(moved) > 100 * LOGPROB_ATOL
