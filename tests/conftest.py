@@ -22,15 +22,19 @@ os.environ["WANDB_MODE"] = "offline"  # a test run never reaches W&B's servers, 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` are skipped, with the reason, where no CUDA device is visible."""
+    """Tests marked `gpu` are skipped, with the reason, where no CUDA device is visible, and
+    those marked `two_ranks` where exactly one is (NCCL refuses two ranks on one GPU)."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    devices = torch.cuda.device_count()
+    skips = {
+        "gpu": (devices == 0, "needs a CUDA device"),
+        "two_ranks": (devices == 1, "two ranks on one GPU: NCCL refuses two ranks on one device"),
+    }
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, (skipped, reason) in skips.items():
+            if skipped and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

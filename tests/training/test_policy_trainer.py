@@ -78,24 +78,6 @@ def test_positive_advantages_raise_their_logprobs(model_dir):
         trainer.ref_logprobs(batch)
 
 
-def step_with_grads(
-    trainer: PolicyTrainer, batch: TrainBatch | None = None
-) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    """One train_step, also returning the gradients the optimizer receives (stage 0 only)."""
-    names = {id(p): n for n, p in trainer.engine.module.named_parameters()}
-    grads: dict[str, torch.Tensor] = {}
-
-    def capture(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                grads[names[id(p)]] = p.grad.clone()
-
-    handle = trainer.engine.optimizer.register_step_pre_hook(capture)
-    metrics = trainer.train_step(make_batch() if batch is None else batch)
-    handle.remove()
-    return metrics, grads
-
-
 def hf_logprobs(
     model_dir: Path, weights: dict[str, torch.Tensor], batch: TrainBatch
 ) -> torch.Tensor:
@@ -115,7 +97,7 @@ def hf_logprobs(
     ("agg", "expected"),
     [("token-mean", -1.1), ("seq-mean-token-mean", -0.625), ("seq-mean-token-sum-norm", -0.6875)],
 )
-def test_micro_batching_does_not_change_loss_or_gradient(model_dir, agg, expected):
+def test_micro_batching_does_not_change_loss_or_gradient(model_dir, step_with_grads, agg, expected):
     """One row per micro-batch, three, and token budgets: sequence lengths are 6, 2, 6, 5, so
     12 tokens groups rows (0, 2) and (3, 1) out of batch order and 6 puts each row alone."""
     settings = [{"micro_batch_size": 1}, {"micro_batch_size": 3}]
@@ -123,7 +105,7 @@ def test_micro_batching_does_not_change_loss_or_gradient(model_dir, agg, expecte
     # and the LM head at loss tokens only, in chunks of 3 (recomputed in backward)
     settings += [{"micro_batch_size": 3, "lm_head_chunk": 3}]
     runs = [
-        step_with_grads(make_trainer(model_dir, **kw, loss_agg=agg, grad_clip=1e6))
+        step_with_grads(make_trainer(model_dir, **kw, loss_agg=agg, grad_clip=1e6), make_batch())
         for kw in settings
     ]
     (m1, g1) = runs[0]
@@ -148,7 +130,7 @@ def test_token_budget_logprobs_land_in_their_rows(model_dir):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_rows_without_loss_tokens_can_be_left_out(model_dir, agg):
+def test_rows_without_loss_tokens_can_be_left_out(model_dir, step_with_grads, agg):
     # Row 1 is masked out entirely (as DUET masks an aborted rollout).
     batch = build_batch(
         PROMPTS,
@@ -327,6 +309,7 @@ def test_bfloat16_step(model_dir):
 DATA_PARALLEL = {"zero_stage": 2, "micro_batch_size": 1, "kl_coef": 0.1}
 
 
+@pytest.mark.two_ranks
 def test_two_ranks_give_the_one_process_step(model_dir, tmp_path):
     expected = train(make_trainer(model_dir, **DATA_PARALLEL), 2)
     with socket.socket() as s:

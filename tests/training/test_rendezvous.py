@@ -106,6 +106,7 @@ def test_a_gloo_group_listens_on_the_interface_bind_collectives_names(
     del group
 
 
+@pytest.mark.two_ranks
 def test_two_ranks_set_up_as_a_run_listen_on_the_loopback_alone(listening, loopback):
     """DeepSpeed's process group and the weight sync's group across two processes, every
     listener of each (stores, gloo) on the loopback; none on 0.0.0.0 or [::]."""

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from deepspeed.utils import safe_get_full_grad
 from transformers import AutoModelForCausalLM
 
 from rlvr.config import LoraConfig
@@ -81,26 +80,6 @@ def test_packed_forward_gives_the_plain_logprobs_and_entropies(model_dir, attent
     assert not logp[~mask].any() and not entropy[~mask].any()
 
 
-def step_with_grads(trainer: PolicyTrainer) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A train step's metrics and every trainable parameter's full gradient before the optimizer
-    step (`safe_get_full_grad` reassembles ZeRO-1/2 partitions and ZeRO-3 shards)."""
-    engine = trainer.engine
-    grads: dict[str, torch.Tensor] = {}
-    step = engine.step
-
-    def capture_then_step() -> None:
-        for name, p in engine.module.named_parameters():
-            if p.requires_grad:
-                grads[name] = safe_get_full_grad(p).clone()
-        step()
-
-    engine.step = capture_then_step
-    batch = make_batch()
-    batch.ref_logp = trainer.ref_logprobs(batch)
-    metrics = trainer.train_step(batch)
-    return metrics, grads
-
-
 @pytest.mark.parametrize(
     ("stage", "lora", "agg"),
     [
@@ -112,7 +91,7 @@ def step_with_grads(trainer: PolicyTrainer) -> tuple[dict, dict[str, torch.Tenso
         (3, True, "seq-mean-token-mean"),
     ],
 )
-def test_packed_train_step_equals_the_plain_one(model_dir, stage, lora, agg):
+def test_packed_train_step_equals_the_plain_one(model_dir, step_with_grads, stage, lora, agg):
     """Same loss, KL, entropy and gradients, micro-batched by rows and by token budget, with and
     without activation checkpointing."""
     common = {
@@ -131,7 +110,14 @@ def test_packed_train_step_equals_the_plain_one(model_dir, stage, lora, agg):
         {"micro_batch_tokens": 16, "shared_prefix": True},
         {"micro_batch_tokens": 16, "shared_prefix": True, "gradient_checkpointing": True},
     ]
-    runs = [step_with_grads(PolicyTrainer(model_dir, **common, **kw)) for kw in settings]
+
+    def run(settings: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+        trainer = PolicyTrainer(model_dir, **common, **settings)
+        batch = make_batch()
+        batch.ref_logp = trainer.ref_logprobs(batch)
+        return step_with_grads(trainer, batch)
+
+    runs = [run(kw) for kw in settings]
     (m0, g0) = runs[0]
     for metrics, grads in runs[1:]:
         for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm"):
