@@ -17,6 +17,11 @@ training sampler for every variant: the share of rollouts with no answer marker 
 stop rule runs, the share it would abort and how many of those would have been correct had they
 run on (`abort_probe`).
 
+Every variant commits each step to its run directory under `<out>/runs/s<seed>/` (policy,
+optimizer and controller state, as `rlvr train` does; LoRA checkpoints leave the base weights
+out); `--resume` restores each variant's last committed step and goes on after it, so a seed
+that takes hours survives a lost machine and ends as an uninterrupted one would.
+
 The tiny preset runs all nine variants by default: a 1-step run of all nine took 3.5 min with
 startup and peaked at about 14 GiB (2 cores), so the default 12 steps x 3 seeds should take
 roughly 20-25 min; `--variants` picks a subset (fewer actors, less memory). The smollm2 preset
@@ -27,6 +32,7 @@ defaults to three variants, 4 steps and one seed.
     .venv/bin/python bench/duet.py --preset smollm2-long  # 5 variants x 3 seeds
     .venv/bin/python bench/duet.py --steps 2 --seeds 0 --variants "grpo b=1" "duet b=0.5"
     .venv/bin/python bench/duet.py --preset smollm2-long --seeds 1 --out bench/out/duet/s1
+    .venv/bin/python bench/duet.py --preset smollm2-long --seeds 1 --out bench/out/duet/s1 --resume
     .venv/bin/python bench/duet.py --preset smollm2-long --merge bench/out/duet/s*/*.json
 """
 
@@ -36,11 +42,14 @@ import argparse
 import json
 import math
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from rlvr.config import Config, load_config
+from rlvr.run.rundir import RunDir
 from workflows.cli import ray_env
 
 ray_env()
@@ -48,9 +57,10 @@ ROOT = Path(__file__).resolve().parent.parent
 N_REF = 8
 # Shared by every variant: a nominal CPU reservation per actor (the variants take turns, and
 # torch's threads do not follow it), small enough that all nine variants (0.2 CPU each) fit a
-# 2-core cluster; no evaluation inside the run.
+# 2-core cluster; no evaluation inside the run; the last committed step kept for `--resume`.
 COMMON = [
     "run.eval_every=0",
+    "run.keep_last=1",
     "resources.policy_cpus=0.1",
     "resources.generator_cpus=0.1",
     "resources.num_verifiers=1",
@@ -162,59 +172,96 @@ PROBE_PROMPTS = 16
 PROBE_SEED = 9_000_001
 
 
-def run_seed(
-    preset: Preset, seed: int, steps: int, n_train: int, overrides: list[str], names: list[str]
-) -> dict[str, Any]:
-    """The variants for one seed, stepping in turn; per variant its step metrics and final eval."""
+def variant_runs(
+    preset: Preset, seed: int, n_train: int, overrides: list[str], names: list[str], runs_dir: Path
+) -> dict[str, tuple[Config, RunDir]]:
+    """Each variant's configuration for one seed and its run directory under `runs_dir`."""
+    table = variants()
+    runs = {}
+    for name in names:
+        tag = name.replace(" ", "-").replace("=", "")
+        cfg = load_config(
+            preset.config,
+            [
+                *COMMON,
+                f"task.n_train={n_train}",
+                f"run.seed={seed}",
+                f"run.name=bench-duet-{tag}-s{seed}",
+                *table[name][2],
+                *overrides,
+            ],
+        )
+        runs[name] = (cfg, RunDir(runs_dir / f"s{seed}" / tag))
+    return runs
+
+
+def check_resumable(cfg: Config, run_dir: RunDir, resume: bool) -> None:
+    """Refuse, before any actor starts, a run directory that holds committed steps unless
+    `resume` is set and it was run with the same configuration."""
+    if not run_dir.completed_steps():
+        return
+    if not resume:
+        raise SystemExit(
+            f"{run_dir.path} holds committed steps of an earlier run: pass --resume to go on "
+            "after them, or another --out"
+        )
+    if run_dir.load_config_dict() != yaml.safe_load(yaml.safe_dump(cfg.to_dict(), sort_keys=False)):
+        raise SystemExit(
+            f"{run_dir.path} was run with another configuration; --resume needs the same preset, "
+            "--n-train and --set"
+        )
+
+
+def run_seed(runs: dict[str, tuple[Config, RunDir]], seed: int, steps: int) -> dict[str, Any]:
+    """The variants of one seed (`variant_runs`), stepping in turn, each step committed to the
+    variant's run directory; a directory that holds committed steps (`check_resumable`) goes on
+    after its last intact one. Per variant: its step metrics as committed, its final eval and
+    probe."""
     from transformers import AutoTokenizer
 
-    from rlvr.config import load_config
-    from rlvr.run.rundir import RunDir
     from workflows.components import start_components
     from workflows.train import Trainer, prepare
 
-    table = variants()
+    names = list(runs)
     trainers: dict[str, Trainer] = {}
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            for name in names:
-                extra = table[name][2]
-                tag = name.replace(" ", "-").replace("=", "")
-                cfg = load_config(
-                    preset.config,
-                    [
-                        *COMMON,
-                        f"task.n_train={n_train}",
-                        f"run.seed={seed}",
-                        f"run.name=bench-duet-{tag}-s{seed}",
-                        *extra,
-                        *overrides,
-                    ],
-                )
-                model_dir, train_problems, test_problems = prepare(cfg)
-                run_dir = RunDir(Path(tmp) / tag)
-                run_dir.create(cfg.to_dict())
-                trainers[name] = Trainer(
-                    cfg,
-                    run_dir,
-                    start_components(cfg, model_dir),
-                    AutoTokenizer.from_pretrained(model_dir),
-                    train_problems,
-                    test_problems,
-                )
-            out = {name: {"steps": []} for name in trainers}
-            for step in range(steps):
-                # rotate who goes first: the first variant of a round may see other caches
-                for i in range(len(names)):
-                    name = names[(step + i) % len(names)]
-                    out[name]["steps"].append(trainers[name].step(step))
-            for name, trainer in trainers.items():
-                out[name]["eval"] = trainer.evaluate(steps - 1)
-                out[name]["probe"] = abort_probe(trainer, out[name]["steps"][-1], steps - 1)
-        finally:
-            for trainer in trainers.values():
-                trainer.comps.shutdown()
+    done: dict[str, int] = {}
+    try:
+        for name, (cfg, run_dir) in runs.items():
+            model_dir, train_problems, test_problems = prepare(cfg)
+            last = run_dir.last_intact_step()
+            run_dir.create(cfg.to_dict())
+            run_dir.truncate_logs_after(-1 if last is None else last)
+            trainers[name] = Trainer(
+                cfg,
+                run_dir,
+                start_components(cfg, model_dir),
+                AutoTokenizer.from_pretrained(model_dir),
+                train_problems,
+                test_problems,
+            )
+            done[name] = -1 if last is None else last
+            if last is not None:
+                trainers[name].restore(last)
+                trainers[name].sync_weights()
+                print(f"{name}, seed {seed}: resuming after step {last}", flush=True)
+        for step in range(steps):
+            # rotate who goes first: the first variant of a round may see other caches
+            for i in range(len(names)):
+                name = names[(step + i) % len(names)]
+                if step > done[name]:
+                    trainer = trainers[name]
+                    trainer.persist(step, trainer.step(step), best_step=None)
+        out: dict[str, Any] = {}
+        for name, trainer in trainers.items():
+            committed = trainer.run.read_metrics()
+            out[name] = {
+                "steps": committed,
+                "eval": trainer.evaluate(steps - 1),
+                "probe": abort_probe(trainer, committed[-1], steps - 1),
+            }
+    finally:
+        for trainer in trainers.values():
+            trainer.comps.shutdown()
     return out
 
 
@@ -398,19 +445,21 @@ def plot(runs: dict[int, dict[str, Any]], rows: dict[str, dict[str, float]], pat
 def train_seeds(
     preset: Preset, steps: int, seeds: list[int], args: argparse.Namespace
 ) -> dict[int, dict[str, Any]]:
-    """`run_seed` for each seed on one Ray cluster."""
+    """`run_seed` for each seed on one Ray cluster, once every run directory is checked."""
     import ray
 
-    from rlvr.config import load_config
     from workflows.cli import init_ray
 
     names = args.variants or preset.variants
+    n_train = args.n_train or preset.n_train
+    runs_dir = Path(args.out) / "runs"
+    plans = {s: variant_runs(preset, s, n_train, args.set, names, runs_dir) for s in seeds}
+    for runs in plans.values():
+        for cfg, run_dir in runs.values():
+            check_resumable(cfg, run_dir, args.resume)
     init_ray(load_config(preset.config, [*COMMON, *args.set]))
     try:
-        return {
-            s: run_seed(preset, s, steps, args.n_train or preset.n_train, args.set, names)
-            for s in seeds
-        }
+        return {s: run_seed(plans[s], s, steps) for s in seeds}
     finally:
         ray.shutdown()
 
@@ -448,6 +497,11 @@ def main() -> None:
     )
     ap.add_argument("--set", action="append", default=[], help="config override for all variants")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "duet"), help="output folder")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on after each variant's last committed step in <out>/runs (same arguments)",
+    )
     ap.add_argument(
         "--merge",
         nargs="+",
