@@ -19,6 +19,7 @@ import numpy as np
 
 from rlvr.algorithms.counter_rng import GOLDEN_GAMMA, mix64, unit_float
 from rlvr.algorithms.csa.diagnostics import BrierMonitor
+from rlvr.algorithms.csa.isotonic import isotonic_knots
 
 GRID_FLOOR = 0.001
 GRID_CEILING = 0.8
@@ -69,17 +70,12 @@ class Calibrator:
     def fit(
         cls, raw: Sequence[float] | np.ndarray, passed: Sequence[bool] | np.ndarray
     ) -> Calibrator:
-        """Isotonic regression of fail = 1 - passed on the raw score (scikit-learn), y in [0, 1]."""
-        # imported here: only calibration fits, and the stream host's process never does
-        from sklearn.isotonic import IsotonicRegression
-
+        """Isotonic regression of fail = 1 - passed on the raw score (`isotonic_knots`)."""
         raw = np.asarray(raw, dtype=np.float64)
         fail = 1.0 - np.asarray(passed, dtype=np.float64)
         if raw.shape != fail.shape or raw.ndim != 1 or raw.size == 0:
             raise ValueError("raw and passed must be non-empty 1-D arrays of the same length")
-        iso = IsotonicRegression(increasing=True, y_min=0.0, y_max=1.0, out_of_bounds="clip")
-        iso.fit(raw, fail)
-        return cls(iso.X_thresholds_, iso.y_thresholds_)
+        return cls(*isotonic_knots(raw, fail))
 
     def __call__(self, raw: float | np.ndarray) -> float | np.ndarray:
         """Calibrated score s = g(raw): a float for a float, an array for an array."""
