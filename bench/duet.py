@@ -166,6 +166,8 @@ def variants() -> dict[str, tuple[str, float, list[str]]]:
 
 
 VARIANT_NAMES = list(variants())
+BASELINE = "grpo b=1"
+"""The variant every other one's accuracy and speed are compared with: full-budget GRPO."""
 CONTROLLER_KEYS = ("time_plan", "time_duet_state")
 # The post-training abort probe: held-out prompts (x N_REF rollouts) and its sampling seed.
 PROBE_PROMPTS = 16
@@ -344,12 +346,25 @@ def summarize(runs: dict[int, dict[str, Any]], warmup: int) -> dict[str, dict[st
             row["dapo_rounds"] = statistics.median(m["dapo_rounds"] for m in timed)
             row["dapo_dropped"] = statistics.median(m["dapo_dropped_groups"] for m in timed)
         rows[name] = row
-    full = rows.get("grpo b=1", {}).get("step_s", float("nan"))
+    if BASELINE in rows:
+        base = [runs[s][BASELINE]["eval"]["eval_accuracy"] for s in sorted(runs)]
+        for name, row in rows.items():
+            acc = [runs[s][name]["eval"]["eval_accuracy"] for s in sorted(runs)]
+            row["accuracy_gap"], row["accuracy_gap_se"] = paired_difference(acc, base)
+    full = rows.get(BASELINE, {}).get("step_s", float("nan"))
     for row in rows.values():
         same_b = [r for r in rows.values() if r["method"] == "grpo" and r["b"] == row["b"]]
         row["speedup_same_b"] = same_b[0]["step_s"] / row["step_s"] if same_b else float("nan")
         row["speedup_full"] = full / row["step_s"]
     return rows
+
+
+def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the per-seed differences a - b (NaN standard error for one
+    seed): seeds share prompts and start, so pairing removes their common variation."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else math.nan
+    return statistics.mean(d), se
 
 
 def format_table(
@@ -359,21 +374,24 @@ def format_table(
     DAPO's dropped groups included) and the abort probe's columns (`abort_probe`)."""
     lines = [
         f"{label}, arithmetic, {steps} steps, seeds {seeds} (accuracy: mean ± sd over seeds; "
+        "its difference to GRPO b=1: mean ± standard error of the per-seed differences; "
         "per-step figures: medians). Probe, after training: "
         f"{PROBE_PROMPTS} held-out prompts x {N_REF} rollouts at the training sampler per seed; "
         "marker-less: share ending with no answer marker; would abort: share the stop rule (last "
         "K1/K2) would abort, and of those, the share correct when run on (n pooled over seeds).",
         "",
-        "| variant | held-out acc | tokens/step | rollouts/step | gen s/step | total s/step "
+        "| variant | held-out acc | acc - GRPO b=1 (paired, ± SE) | tokens/step | rollouts/step "
+        "| gen s/step | total s/step "
         "| speedup vs GRPO same b | speedup vs GRPO b=1 | controller % of step | abort rate "
         "| n_q std | DAPO rounds | DAPO dropped groups | marker-less | would abort "
         "| would-abort correct (n) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         duet, dapo = r["method"] == "duet", r["method"] == "dapo"
         lines.append(
-            f"| {name} | {r['accuracy']:.3f} ± {r['accuracy_sd']:.3f} | {r['tokens']:.0f} "
+            f"| {name} | {r['accuracy']:.3f} ± {r['accuracy_sd']:.3f} | {_gap(r, name)} "
+            f"| {r['tokens']:.0f} "
             f"| {r['rollouts']:.0f} | {r['generate_s']:.2f} | {r['step_s']:.2f} "
             f"| {_ratio(r['speedup_same_b'])} | {_ratio(r['speedup_full'])} "
             f"| {100 * r['controller_frac']:.2f} "
@@ -388,6 +406,15 @@ def format_table(
             )
         )
     return "\n".join(lines)
+
+
+def _gap(row: dict[str, float], name: str) -> str:
+    """The paired accuracy difference to the baseline; '-' for the baseline itself or without
+    one, no SE for one seed."""
+    if name == BASELINE or "accuracy_gap" not in row:
+        return "-"
+    se = row["accuracy_gap_se"]
+    return f"{row['accuracy_gap']:+.3f}" + ("" if math.isnan(se) else f" ± {se:.3f}")
 
 
 def _share(x: float) -> str:
