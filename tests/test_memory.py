@@ -29,3 +29,16 @@ def test_the_controller_process_imports_neither_torch_nor_scikit_learn():
     code = "import sys, actors.controller; print(sorted({'torch', 'sklearn'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_policy_trainer_keeps_mlflow_out_of_deepspeeds_import():
+    """DeepSpeed's autotuner imports mlflow whenever it is installed: 105 MiB more in every policy
+    rank. The trainer imports DeepSpeed without it, and mlflow still imports afterwards."""
+    pytest.importorskip("mlflow")
+    code = (
+        "import sys, rlvr.training.policy_trainer; print('mlflow' in sys.modules); "
+        "import mlflow; print(mlflow.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # DeepSpeed prints its accelerator note to stdout first
+    assert out.stdout.splitlines()[-2:] == ["False", "mlflow"]
