@@ -25,7 +25,7 @@ from rlvr.generation.base import (
     SamplingParams,
     StopRuleFactory,
 )
-from rlvr.memory import release_free_heap
+from rlvr.memory import pin_mmap_threshold, release_free_heap
 from rlvr.training import weight_sync
 from rlvr.training.rendezvous import bind_collectives
 
@@ -38,11 +38,14 @@ class GeneratorActor:
         threads: int,
         tandem: dict[str, Any] | None = None,
         address: str | None = None,
+        mmap_threshold_kib: int = 0,
         **backend_kwargs: Any,
     ):
         """`tandem` ({"junior_path", "p", "cap"}) starts the engine with Tandem's junior.
         `address`: where the engine's gloo / NCCL groups and the weight group listen (None: they
-        choose)."""
+        choose). `mmap_threshold_kib`: see `pin_mmap_threshold` (0: glibc's default)."""
+        if mmap_threshold_kib:
+            pin_mmap_threshold(mmap_threshold_kib << 10)
         torch.set_num_threads(threads)
         if address is not None:
             bind_collectives(address)

@@ -18,7 +18,7 @@ import torch
 
 from rlvr.algorithms.tandem import senior_loss_mask
 from rlvr.config import LoraConfig
-from rlvr.memory import release_free_heap
+from rlvr.memory import pin_mmap_threshold, release_free_heap
 from rlvr.training import weight_sync
 from rlvr.training.batch import TrainBatch
 from rlvr.training.rendezvous import bind_collectives
@@ -33,12 +33,16 @@ class PolicyActor:
         tandem: bool = False,
         distributed: dict[str, str] | None = None,
         address: str | None = None,
+        mmap_threshold_kib: int = 0,
         **trainer_kwargs: Any,
     ):
         """`distributed`: this rank's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK,
         set before DeepSpeed starts (None: a one-process group). `address`: where this rank's
         gloo / NCCL groups and, on rank 0, the weight sync's store listen (None: the groups
-        choose, the store takes the node's IP)."""
+        choose, the store takes the node's IP). `mmap_threshold_kib`: see `pin_mmap_threshold`
+        (0: glibc's default)."""
+        if mmap_threshold_kib:
+            pin_mmap_threshold(mmap_threshold_kib << 10)
         torch.set_num_threads(threads)
         os.environ.update(distributed or {})
         if address is not None:

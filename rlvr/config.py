@@ -769,6 +769,17 @@ class ResourcesConfig(Section):
             "compute at once, all of them with one rank and one engine)."
         ),
     )
+    malloc_mmap_threshold_kib: int = Field(
+        0,
+        ge=0,
+        le=32768,
+        description=(
+            "glibc's malloc in the policy ranks and engines: allocations of at least this many "
+            "KiB get a mapping of their own, returned to the system when freed (0: glibc's "
+            "default, a threshold that rises with use to 32 MiB and keeps freed tensors on a "
+            "fragmenting heap). Elsewhere than glibc it does nothing."
+        ),
+    )
     policy_resources: dict[str, float] = Field(
         default_factory=dict,
         description=(

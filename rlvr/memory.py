@@ -6,6 +6,7 @@ trainer runs, the trainer while the engine samples) would keep its peak of activ
 weight copies resident the whole run. `release_free_heap` asks malloc to return every free page
 (`malloc_trim(0)`, which since glibc 2.8 also releases free pages inside the heap, not only its
 top). Nothing allocated moves and no value changes; the next call faults its pages back in.
+`pin_mmap_threshold` keeps large blocks from settling on the heap in the first place.
 """
 
 from __future__ import annotations
@@ -14,14 +15,27 @@ import ctypes
 import ctypes.util
 import functools
 
+M_MMAP_THRESHOLD = -3
+"""mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
+MAX_MMAP_THRESHOLD = 32 << 20
+"""The largest threshold glibc accepts on 64-bit systems (HEAP_MAX_SIZE / 2)."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
 
 @functools.cache
 def _malloc_trim():
     """glibc's malloc_trim, or None where the C library is not glibc (musl, macOS)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+        trim = _libc().malloc_trim
+    except AttributeError:  # no C library, or not glibc
         return None
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
@@ -35,3 +49,24 @@ def release_free_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def pin_mmap_threshold(nbytes: int) -> bool:
+    """Give every allocation of at least `nbytes` a mapping of its own, unmapped when freed, from
+    now on; False where that is not possible (not glibc).
+
+    glibc's threshold starts at 128 KiB but rises to the size of each mapped block freed (up to
+    32 MiB), so the activations, logits and gradients a trainer allocates and frees every
+    micro-batch soon come from the heap, where freed blocks stay resident and fragment it: one
+    SmolLM2-135M full fine-tuning step peaked at 4.0 GiB that way, 3.2 GiB with 1 MiB pinned.
+    Pinning also turns off that adjustment (mallopt(3)).
+    """
+    if not 0 < nbytes <= MAX_MMAP_THRESHOLD:
+        raise ValueError(f"the mmap threshold must be in (0, {MAX_MMAP_THRESHOLD}], got {nbytes}")
+    try:
+        mallopt = _libc().mallopt
+    except AttributeError:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, nbytes) == 1

@@ -151,6 +151,7 @@ def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         "rho_ent": dro.rho_ent,
         "tandem": method.senior_tokens_only,
         "threads": torch_threads(cfg, cfg.resources.policy_ranks),
+        "mmap_threshold_kib": cfg.resources.malloc_mmap_threshold_kib,
     }
 
 
@@ -204,7 +205,11 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         generator = GeneratorPool(
             [
                 Worker(
-                    GeneratorActor(**generator_kwargs(cfg, model_dir), address=LOOPBACK),
+                    GeneratorActor(
+                        **generator_kwargs(cfg, model_dir),
+                        mmap_threshold_kib=cfg.resources.malloc_mmap_threshold_kib,
+                        address=LOOPBACK,
+                    ),
                     "GeneratorActor",
                 )
             ]
@@ -289,7 +294,11 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                 plan.generator[i],
                 r.generator_cpus,
                 r.generator_gpus,
-                {**generator_kwargs(cfg, model_dir), "address": addresses[f"GeneratorActor {i}"]},
+                {
+                    **generator_kwargs(cfg, model_dir),
+                    "mmap_threshold_kib": r.malloc_mmap_threshold_kib,
+                    "address": addresses[f"GeneratorActor {i}"],
+                },
             ),
             "GeneratorActor" if engines == 1 else f"GeneratorActor {i}",
         )
