@@ -41,35 +41,30 @@ BEFORE = [
     "training.zero_stage=2",
 ]
 BF16_ENGINE = ["generation.dtype=bfloat16"]
-LEAN = [
-    "training.gradient_checkpointing=true",
-    "training.lm_head_chunk=256",
-    "resources.malloc_mmap_threshold_kib=1024",
-    *BF16_ENGINE,
-]
+LEAN = ["training.gradient_checkpointing=true", "training.lm_head_chunk=256", *BF16_ENGINE]
 SIDES = {
     "trl": None,
     "project": [],
     "project-before": BEFORE,
     "project-bf16": BF16_ENGINE,
     "project-lean": LEAN,
-    "project-lean-glibc": [*LEAN, "resources.malloc_mmap_threshold_kib=0"],
+    "project-lean-mmap": [*LEAN, "resources.malloc_mmap_threshold_kib=1024"],
 }
 """Each side and its project overrides: "project-before" turns off the trainer's optimisations
 (token-budget micro-batches, LM head at loss tokens, shared-prefix packs, ZeRO stage 0 on one
 rank): 8 rows per forward and full logits, as TRL runs them, under ZeRO-2. "project-bf16" samples
 with a bfloat16 engine (the fp32 trainer's mismatch corrected by training.engine_is, as verl and
 OpenRLHF run bf16 vLLM beside fp32 training). "project-lean" trades training time for memory:
-activation checkpointing and LM-head chunks of 256 loss tokens, with the bfloat16 engine, and
-glibc's mmap threshold pinned at 1 MiB in the policy and the engine; "project-lean-glibc" keeps
-glibc's own threshold (rising to 32 MiB), its ablation."""
+activation checkpointing and LM-head chunks of 256 loss tokens, with the bfloat16 engine;
+"project-lean-mmap" also pins glibc's mmap threshold at 1 MiB in the policy and the engine
+(resources.malloc_mmap_threshold_kib), where glibc's own rises to 32 MiB."""
 LABELS = {
     "trl": "TRL GRPOTrainer",
     "project": "project",
     "project-before": "project, before",
     "project-bf16": "project, bf16 engine",
     "project-lean": "project, lean",
-    "project-lean-glibc": "project, lean, glibc's mmap threshold",
+    "project-lean-mmap": "project, lean, 1 MiB mmap threshold",
 }
 PARTS = ("time_step", "time_generate", "time_train", "time_sync")
 ENGINE_MISMATCH = ("train_engine_kl", "train_engine_capped_frac", "train_engine_ratio_max")
