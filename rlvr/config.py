@@ -777,7 +777,8 @@ class ResourcesConfig(Section):
             "glibc's malloc in the policy ranks and engines: allocations of at least this many "
             "KiB get a mapping of their own, returned to the system when freed (0: glibc's "
             "default, a threshold that rises with use to 32 MiB and keeps freed tensors on a "
-            "fragmenting heap). Elsewhere than glibc it does nothing."
+            "fragmenting heap). Less memory for more page faults: 1024 cut a SmolLM2 policy step's "
+            "peak by 0.75 GiB at 1.34x its time. Elsewhere than glibc it does nothing."
         ),
     )
     policy_resources: dict[str, float] = Field(
