@@ -22,29 +22,21 @@ MAX_MMAP_THRESHOLD = 32 << 20
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
-    """The C library, or None where it cannot be loaded."""
+def _glibc(name: str, argtypes: tuple[type, ...]):
+    """The C library's function `name` (returning an int), or None where the library cannot be
+    loaded or lacks it (not glibc: musl, macOS)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
         return None
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library is not glibc (musl, macOS)."""
-    try:
-        trim = _libc().malloc_trim
-    except AttributeError:  # no C library, or not glibc
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+    fn.argtypes = list(argtypes)
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def release_free_heap() -> bool:
     """Return the process's free heap pages to the system; False where that is not possible."""
-    trim = _malloc_trim()
+    trim = _glibc("malloc_trim", (ctypes.c_size_t,))
     if trim is None:
         return False
     trim(0)
@@ -64,10 +56,5 @@ def pin_mmap_threshold(nbytes: int) -> bool:
     """
     if not 0 < nbytes <= MAX_MMAP_THRESHOLD:
         raise ValueError(f"the mmap threshold must be in (0, {MAX_MMAP_THRESHOLD}], got {nbytes}")
-    try:
-        mallopt = _libc().mallopt
-    except AttributeError:
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, nbytes) == 1
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, nbytes) == 1
