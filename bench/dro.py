@@ -168,8 +168,10 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for all")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "dro"))
     args = ap.parse_args()
+    from workflows.cli import announce_engine_log, init_ray, quiet_driver
+
+    quiet_driver()
     from rlvr.config import load_config
-    from workflows.cli import init_ray
     from workflows.dro_offline import run_filter
     from workflows.train import prepare
 
@@ -188,7 +190,7 @@ def main() -> None:
     filtered = run_filter(load_config(args.config, [*BASE, *common, first_seed]), out / "filter")
     print(json.dumps({k: v for k, v in filtered.items() if k != "train_with"}, indent=2))
     data = filtered["train_with"]
-    init_ray(base)
+    init_ray(base, announce_engine_log(out))
     results: dict[str, list[dict]] = {name: [] for name in args.variants}
     for seed in args.seeds:
         for name in args.variants:

@@ -21,6 +21,8 @@ Every variant commits each step to its run directory under `<out>/runs/s<seed>/`
 optimizer and controller state, as `rlvr train` does; LoRA checkpoints leave the base weights
 out); `--resume` restores each variant's last committed step and goes on after it, so a seed
 that takes hours survives a lost machine and ends as an uninterrupted one would.
+The actors' output (vLLM, DeepSpeed, Ray workers) goes to `<out>/engine.log`, as `rlvr train`
+sends it to its run's, so the console keeps the bench's own lines and the table.
 
 The tiny preset runs all nine variants by default: a 1-step run of all nine took 3.5 min with
 startup and peaked at about 14 GiB (2 cores), so the default 12 steps x 3 seeds should take
@@ -475,7 +477,7 @@ def train_seeds(
     """`run_seed` for each seed on one Ray cluster, once every run directory is checked."""
     import ray
 
-    from workflows.cli import init_ray
+    from workflows.cli import announce_engine_log, init_ray, quiet_driver
 
     names = args.variants or preset.variants
     n_train = args.n_train or preset.n_train
@@ -484,7 +486,8 @@ def train_seeds(
     for runs in plans.values():
         for cfg, run_dir in runs.values():
             check_resumable(cfg, run_dir, args.resume)
-    init_ray(load_config(preset.config, [*COMMON, *args.set]))
+    quiet_driver()
+    init_ray(load_config(preset.config, [*COMMON, *args.set]), announce_engine_log(Path(args.out)))
     try:
         return {s: run_seed(plans[s], s, steps) for s in seeds}
     finally:

@@ -116,12 +116,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "laconic"))
     args = ap.parse_args()
+    from workflows.cli import announce_engine_log, init_ray, quiet_driver
+
+    quiet_driver()
     from rlvr.config import load_config
-    from workflows.cli import init_ray
 
     common = [f"run.steps={args.steps}", f"run.seed={args.seed}"]
-    init_ray(load_config(PRESET, BASE))
     out = Path(args.out)
+    init_ray(load_config(PRESET, BASE), announce_engine_log(out))
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,7 +26,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from workflows.cli import ray_env
+from workflows.cli import announce_engine_log, quiet_driver, ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,10 @@ def run(
     overrides: list[str],
     layouts: list[str],
     off_policy_threads: list[int],
+    engine_log: Path,
 ) -> dict[str, dict[str, float]]:
+    """Per mode: each phase's median time over `steps` steps after `warmup`, the tokens generated
+    and the mean reward; the actors' output goes to `engine_log`."""
     import ray
     from transformers import AutoTokenizer
 
@@ -75,7 +78,7 @@ def run(
 
     cfg = load_config(PRESETS[preset], ["run.eval_every=0", *overrides])
     model_dir, train_problems, test_problems = prepare(cfg)
-    init_ray(cfg)
+    init_ray(cfg, engine_log)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     modes = {"actors": cfg, "in-process": cfg}
     if layouts or off_policy_threads:
@@ -169,10 +172,19 @@ def main() -> None:
     )
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="where the JSON result goes")
     args = ap.parse_args()
-    result = run(args.preset, args.steps, args.warmup, args.set, args.layouts, args.off_policy)
+    quiet_driver()
+    out = Path(args.out)
+    result = run(
+        args.preset,
+        args.steps,
+        args.warmup,
+        args.set,
+        args.layouts,
+        args.off_policy,
+        announce_engine_log(out),
+    )
     table = format_table(args.preset, result)
     print(table)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"step_breakdown_{args.preset}.json").write_text(json.dumps(result, indent=2))
 

@@ -192,14 +192,16 @@ def train_compare(args: argparse.Namespace) -> None:
 
     import ray
 
+    from workflows.cli import announce_engine_log, init_ray, quiet_driver, ray_env
+
+    ray_env()
+    quiet_driver()
     from rlvr.config import load_config
-    from workflows.cli import init_ray, ray_env
     from workflows.tandem_eval import EvalSettings, evaluate_tandem
     from workflows.train import prepare, train
 
-    ray_env()
     configs = {name: ROOT / "configs" / f for name, f in CONFIGS.items()}
-    init_ray(load_config(configs["grpo"], TRAIN_COMMON))
+    init_ray(load_config(configs["grpo"], TRAIN_COMMON), announce_engine_log(Path(args.out)))
     reports: dict[str, dict[int, dict]] = {name: {} for name in CONFIGS}
     try:
         with tempfile.TemporaryDirectory() as tmp:
