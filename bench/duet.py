@@ -457,6 +457,7 @@ def plot(runs: dict[int, dict[str, Any]], rows: dict[str, dict[str, float]], pat
         yerr=[rows[n]["accuracy_sd"] for n in names],
     )
     axes[1, 0].set_title("held-out accuracy after training")
+    axes[1, 0].tick_params(axis="x", labelrotation=20)  # the variant names overlap level
     duets = [n for n in rows if rows[n]["method"] == "duet"]
     for name in duets:
         axes[1, 1].plot(curve(name, "duet_n_std"), label=f"{name}: n_q std")
