@@ -49,6 +49,7 @@ SIDES = {
     "project-bf16": BF16_ENGINE,
     "project-lean": LEAN,
     "project-lean-mmap": [*LEAN, "resources.malloc_mmap_threshold_kib=1024"],
+    "project-lean-jemalloc": [*LEAN, "resources.allocator=jemalloc"],
 }
 """Each side and its project overrides: "project-before" turns off the trainer's optimisations
 (token-budget micro-batches, LM head at loss tokens, shared-prefix packs, ZeRO stage 0 on one
@@ -57,7 +58,8 @@ with a bfloat16 engine (the fp32 trainer's mismatch corrected by training.engine
 OpenRLHF run bf16 vLLM beside fp32 training). "project-lean" trades training time for memory:
 activation checkpointing and LM-head chunks of 256 loss tokens, with the bfloat16 engine;
 "project-lean-mmap" also pins glibc's mmap threshold at 1 MiB in the policy and the engine
-(resources.malloc_mmap_threshold_kib), where glibc's own rises to 32 MiB."""
+(resources.malloc_mmap_threshold_kib), where glibc's own rises to 32 MiB; "project-lean-jemalloc"
+runs them on jemalloc instead (resources.allocator)."""
 LABELS = {
     "trl": "TRL GRPOTrainer",
     "project": "project",
@@ -65,6 +67,7 @@ LABELS = {
     "project-bf16": "project, bf16 engine",
     "project-lean": "project, lean",
     "project-lean-mmap": "project, lean, 1 MiB mmap threshold",
+    "project-lean-jemalloc": "project, lean, jemalloc",
 }
 PARTS = ("time_step", "time_generate", "time_train", "time_sync")
 ENGINE_MISMATCH = ("train_engine_kl", "train_engine_capped_frac", "train_engine_ratio_max")

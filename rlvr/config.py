@@ -781,6 +781,22 @@ class ResourcesConfig(Section):
             "peak by 0.75 GiB at 1.34x its time. Elsewhere than glibc it does nothing."
         ),
     )
+    allocator: Literal["glibc", "jemalloc"] = Field(
+        "glibc",
+        description=(
+            "The policy ranks' and engines' malloc: the C library's, or jemalloc (Ray's bundled "
+            "libjemalloc.so, or the file named by RAY_JEMALLOC_LIB_PATH, preloaded into those "
+            "actors' processes; they must find it at the same path on every node). Actors only: "
+            "an in-process run keeps the allocator its process started with."
+        ),
+    )
+    jemalloc_conf: str = Field(
+        "",
+        description=(
+            "MALLOC_CONF for resources.allocator: jemalloc (e.g. 'dirty_decay_ms:1000'; empty: "
+            "jemalloc's defaults)."
+        ),
+    )
     policy_resources: dict[str, float] = Field(
         default_factory=dict,
         description=(
@@ -832,6 +848,17 @@ class ResourcesConfig(Section):
             "run.off_policy_steps is 1 (they sample during the update)."
         ),
     )
+
+    @model_validator(mode="after")
+    def _check_allocator(self) -> ResourcesConfig:
+        if self.allocator == "jemalloc" and self.malloc_mmap_threshold_kib:
+            raise ValueError(
+                "resources.malloc_mmap_threshold_kib tunes glibc's malloc; with resources.allocator: "
+                "jemalloc leave it 0 (tune jemalloc with resources.jemalloc_conf)"
+            )
+        if self.allocator == "glibc" and self.jemalloc_conf:
+            raise ValueError("resources.jemalloc_conf needs resources.allocator: jemalloc")
+        return self
 
     @model_validator(mode="after")
     def _check_colocate(self) -> ResourcesConfig:

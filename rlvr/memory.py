@@ -7,6 +7,8 @@ weight copies resident the whole run. `release_free_heap` asks malloc to return 
 (`malloc_trim(0)`, which since glibc 2.8 also releases free pages inside the heap, not only its
 top). Nothing allocated moves and no value changes; the next call faults its pages back in.
 `pin_mmap_threshold` keeps large blocks from settling on the heap in the first place.
+`preload_jemalloc` starts a process on jemalloc instead, whose freed extents coalesce and decay
+back to the system on their own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from pathlib import Path
 
 M_MMAP_THRESHOLD = -3
 """mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
@@ -34,13 +37,47 @@ def _glibc(name: str, argtypes: tuple[type, ...]):
     return fn
 
 
+MALLCTL_ARENAS_ALL = 4096
+"""jemalloc's arena index that names every arena in `arena.<i>.purge` (jemalloc >= 5.0)."""
+
+
+@functools.cache
+def _mallctl():
+    """jemalloc's `mallctl` where jemalloc is this process's allocator (preloaded), else None."""
+    fn = getattr(ctypes.CDLL(None), "mallctl", None)
+    if fn is not None:
+        c = ctypes
+        fn.argtypes = [c.c_char_p, c.c_void_p, c.c_void_p, c.c_void_p, c.c_size_t]
+        fn.restype = ctypes.c_int
+    return fn
+
+
 def release_free_heap() -> bool:
-    """Return the process's free heap pages to the system; False where that is not possible."""
+    """Return the process's free heap pages to the system (jemalloc's dirty pages too, where it is
+    the allocator); False where that is not possible."""
+    purged = False
+    mallctl = _mallctl()
+    if mallctl is not None:
+        purged = mallctl(f"arena.{MALLCTL_ARENAS_ALL}.purge".encode(), None, None, None, 0) == 0
     trim = _glibc("malloc_trim", (ctypes.c_size_t,))
     if trim is None:
-        return False
+        return purged
     trim(0)
     return True
+
+
+def jemalloc_active() -> bool:
+    """Whether this process allocates with jemalloc."""
+    return _mallctl() is not None
+
+
+def preload_jemalloc(library: Path, conf: str = "") -> dict[str, str]:
+    """The environment variables that start a new process on the jemalloc shared library
+    `library` (LD_PRELOAD), tuned by `conf` (MALLOC_CONF, e.g. "dirty_decay_ms:1000"; empty:
+    jemalloc's defaults). A running process cannot change its allocator."""
+    if not library.is_file():
+        raise FileNotFoundError(f"no jemalloc library at {library}")
+    return {"LD_PRELOAD": str(library), **({"MALLOC_CONF": conf} if conf else {})}
 
 
 def pin_mmap_threshold(nbytes: int) -> bool:

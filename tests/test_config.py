@@ -66,6 +66,12 @@ def test_yaml_and_overrides(tmp_path):
         (["verifier.max_uncomputed_share=-0.1"], "verifier.max_uncomputed_share"),
         (["verifier.max_uncomputed_share=nan"], "verifier.max_uncomputed_share"),
         (["verifier.max_uncomputed_share=half"], "verifier.max_uncomputed_share"),
+        (["resources.allocator=tcmalloc"], "resources.allocator"),
+        (
+            ["resources.allocator=jemalloc", "resources.malloc_mmap_threshold_kib=1024"],
+            "resources.malloc_mmap_threshold_kib",
+        ),
+        (["resources.jemalloc_conf=dirty_decay_ms:0"], "resources.jemalloc_conf"),
     ],
 )
 def test_bad_values_name_the_key(overrides, key):

@@ -7,6 +7,7 @@ debugging, never as the default.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,8 @@ from actors.generator import GeneratorActor
 from actors.policy import PolicyActor
 from actors.verifier import VerifierActor, VerifierPool
 from rlvr.algorithms.method import build_method
-from rlvr.config import Config
+from rlvr.config import Config, ConfigError, ResourcesConfig
+from rlvr.memory import jemalloc_active, preload_jemalloc
 from rlvr.run.placement import PlacementPlan, plan_placement
 from rlvr.training.rendezvous import LOOPBACK, run_addresses
 from workflows.generator_pool import GeneratorPool
@@ -30,6 +32,7 @@ from workflows.weight_sync import WeightSync, make_weight_sync
 from workflows.workers import Worker
 
 PLACEMENT_TIMEOUT_S = 60.0
+log = logging.getLogger(__name__)
 
 
 class ControllerClient:
@@ -179,6 +182,27 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
     return kw
 
 
+def jemalloc_library() -> Path:
+    """The jemalloc shared library model actors preload: the file named by RAY_JEMALLOC_LIB_PATH
+    (the variable Ray itself reads for its daemons), else the one bundled in Ray's wheel."""
+    bundled = Path(ray.__file__).parent / "core" / "libjemalloc.so"
+    return Path(os.environ.get("RAY_JEMALLOC_LIB_PATH") or bundled)
+
+
+def allocator_env(r: ResourcesConfig) -> dict[str, str]:
+    """Environment variables of the model actors' processes for `resources.allocator` (none for
+    glibc); a missing jemalloc library fails here, before any actor starts."""
+    if r.allocator == "glibc":
+        return {}
+    try:
+        return preload_jemalloc(jemalloc_library(), r.jemalloc_conf)
+    except FileNotFoundError as err:
+        raise ConfigError(
+            f"resources.allocator: jemalloc: {err} (set RAY_JEMALLOC_LIB_PATH to a jemalloc "
+            "shared library, or use allocator: glibc)"
+        ) from err
+
+
 def sleep_level(cfg: Config) -> int | None:
     """vLLM's sleep level while the policy trains, else None: engines colocated with their ranks
     on GPUs, and CPU engines, whose host memory the update shares (they free their KV cache:
@@ -198,6 +222,12 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
     verifier pool, and the weight sync between policy and engines (`sync.transport`)."""
     mini_batches = cfg.training.mini_batches
     if not use_actors:
+        if cfg.resources.allocator == "jemalloc" and not jemalloc_active():
+            log.warning(
+                "resources.allocator: jemalloc applies to actors; this in-process run keeps its "
+                "process's allocator (start it with LD_PRELOAD=%s for jemalloc)",
+                jemalloc_library(),
+            )
         policy = PolicyGroup(
             [Worker(PolicyActor(**policy_kwargs(cfg, model_dir), address=LOOPBACK), "PolicyActor")],
             mini_batches,
@@ -234,6 +264,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         )
 
     r = cfg.resources
+    model_env = allocator_env(r)
     plan = plan_placement(r)
     groups = place_groups(cfg.run.name, plan)
     layout = placement_layout(groups, plan)
@@ -243,11 +274,13 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
     def model_actor(
         cls: type, name: str, where: tuple[int, int], cpus: float, gpus: float, kwargs: dict
     ):
-        """A model-owning actor pinned to its bundle of the run's placement groups."""
+        """A model-owning actor pinned to its bundle of the run's placement groups, in a process
+        started with `model_env` (merged into the job's environment variables by Ray)."""
         group, bundle = where
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=groups[group], placement_group_bundle_index=bundle
         )
+        env = {"runtime_env": {"env_vars": model_env}} if model_env else {}
         handle = (
             ray.remote(cls)
             .options(
@@ -256,6 +289,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                 num_cpus=cpus,
                 num_gpus=gpus,
                 scheduling_strategy=strategy,
+                **env,
             )
             .remote(**kwargs)
         )
