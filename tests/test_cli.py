@@ -121,24 +121,35 @@ def test_quiet_driver_silences_library_start_up_notes():
 
 @pytest.mark.ray
 def test_actor_output_reaches_the_engine_log_not_the_console(tmp_path):
-    """A real cluster started as `rlvr train` starts it: an actor's prints go to the run's file."""
+    """A real cluster started as `rlvr train` starts it: an actor's prints go to the run's file,
+    also from an actor with environment variables of its own (a model actor on jemalloc: Ray
+    merges them with the run's)."""
     log = tmp_path / "run" / cli.ENGINE_LOG
     script = textwrap.dedent(
         f"""
         import sys
         from pathlib import Path
         import ray
-        from rlvr.config import load_config
+        from rlvr.config import ResourcesConfig, load_config
         from workflows.cli import init_ray
+        from workflows.components import allocator_env
 
         class Talker:
             def talk(self):
+                from rlvr.memory import jemalloc_active
+
                 print("actor says hello", flush=True)
                 print("actor warns", file=sys.stderr, flush=True)
-                return 1
+                return jemalloc_active()
+
+        def talk(**options):
+            talker = ray.remote(Talker).options(num_cpus=0, **options).remote()
+            return ray.get(talker.talk.remote())
 
         init_ray(load_config(None, {SMALL!r}), Path({str(log)!r}))
-        assert ray.get(ray.remote(Talker).options(num_cpus=0).remote().talk.remote()) == 1
+        assert talk() is False
+        env = allocator_env(ResourcesConfig(allocator="jemalloc"))
+        assert talk(runtime_env={{"env_vars": env}}) is True
         ray.shutdown()
         """
     )
@@ -155,7 +166,7 @@ def test_actor_output_reaches_the_engine_log_not_the_console(tmp_path):
     assert "actor says" not in done.stdout + done.stderr
     assert "actor warns" not in done.stdout + done.stderr
     text = log.read_text()
-    assert "actor says hello" in text and "actor warns" in text
+    assert text.count("actor says hello") == 2 and text.count("actor warns") == 2
 
 
 CALIBRATE = ["calibrate", "--checkpoint", "tiny", "--data", str(ROOT / "configs" / "tiny.yaml")]
