@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from rlvr.config import ConfigError, ResourcesConfig
+from rlvr.config import DEFAULT_JEMALLOC_CONF, ConfigError, ResourcesConfig
 from rlvr.memory import (
     MAX_MMAP_THRESHOLD,
     pin_mmap_threshold,
@@ -130,9 +130,9 @@ print(jemalloc_active(), kept, released, rss() - base)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc")
 def test_a_process_started_on_jemalloc_returns_what_it_freed_on_release():
-    """jemalloc keeps freed pages for reuse (10 s by default) until `release_free_heap` purges
+    """With decay off, jemalloc keeps every freed page for reuse until `release_free_heap` purges
     its arenas; the 256 MiB come back to within 32 MiB (jemalloc's metadata and page rounding)."""
-    env = {**os.environ, **preload_jemalloc(jemalloc_library())}
+    env = {**os.environ, **preload_jemalloc(jemalloc_library(), "dirty_decay_ms:-1")}
     out = subprocess.run(
         [sys.executable, "-c", FREED_UNDER_JEMALLOC],
         capture_output=True,
@@ -150,6 +150,9 @@ def test_the_allocator_setting_gives_the_model_actors_their_environment(monkeypa
     glibc = ResourcesConfig()
     jemalloc = ResourcesConfig(allocator="jemalloc", jemalloc_conf="dirty_decay_ms:1000")
     assert allocator_env(glibc) == {}
+    assert allocator_env(ResourcesConfig(allocator="jemalloc"))["MALLOC_CONF"] == (
+        DEFAULT_JEMALLOC_CONF
+    )
     assert allocator_env(jemalloc) == {
         "LD_PRELOAD": str(jemalloc_library()),
         "MALLOC_CONF": "dirty_decay_ms:1000",
