@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,6 +80,25 @@ def tiny_run_dir(tmp_path_factory) -> Path:
     log, _ = proc.communicate(timeout=1200)
     assert proc.returncode == 0, log[-4000:]
     return out / "full"
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports on 127.0.0.1: each socket stays bound until all are picked, since a
+    port just released can be handed out again at once (two servers then ask for one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@pytest.fixture(scope="session")
+def pick_free_ports() -> Callable[[int], list[int]]:
+    """`pick_free_ports(n)`: `n` distinct free ports on 127.0.0.1."""
+    return free_ports
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,13 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_job_submit_to_local_head(tmp_path):
+def test_job_submit_to_local_head(tmp_path, pick_free_ports):
     # Ray's socket paths must fit AF_UNIX's 107 bytes: keep its temp dir short
     ray_tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")
     env = {
@@ -36,7 +29,7 @@ def test_job_submit_to_local_head(tmp_path):
     env.pop("RAY_ADDRESS", None)
     # Every port the head binds is a free one: the test session's own cluster already holds Ray's
     # defaults (its dashboard agent listens on 52365), and an agent that cannot bind never registers.
-    gcs_port, dash_port, agent_port, metrics_port = (_free_port() for _ in range(4))
+    gcs_port, dash_port, agent_port, metrics_port = pick_free_ports(4)
     head = subprocess.Popen(
         [
             str(BIN / "ray"),

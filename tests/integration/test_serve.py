@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 import time
 from pathlib import Path
@@ -37,12 +36,6 @@ CLIENT_KEY = "client-key-for-the-tests-0001"
 OPERATOR_KEY = "operator-key-for-the-tests-0001"
 CLIENT = {"authorization": f"Bearer {CLIENT_KEY}"}
 OPERATOR = {"authorization": f"Bearer {OPERATOR_KEY}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cli_rejects_bad_serve_config_before_starting(capsys, tmp_path):
@@ -129,7 +122,7 @@ def test_adapter_is_merged_once_into_the_served_weights(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, sft_model, fixed_calibration, tmp_path_factory):
+def server(ray_cluster, sft_model, fixed_calibration, tmp_path_factory, pick_free_ports):
     """The app on a free loopback port: 2 replicas sharing 5 streams through one ControllerActor."""
     from ray import serve
 
@@ -139,7 +132,7 @@ def server(ray_cluster, sft_model, fixed_calibration, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     cal = fixed_calibration
     cal.save(tmp / "cal.json")
-    port = free_port()
+    (port,) = pick_free_ports(1)
     spec = yaml.safe_load(SERVE_TINY.read_text())
     spec["name"] = "serve-test"
     spec["model"]["path"] = str(sft_model)
@@ -761,7 +754,7 @@ def test_a_replica_killed_under_load_leaves_the_streams_intact(server):
             assert r.status_code == 200, r.text
 
 
-def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli):
+def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_free_ports):
     """`rlvr serve` as a user starts it, with live updates on: it serves, prints where the
     operator key and the live adapters are, opens /v1/csa/status only to that key, and shuts
     down cleanly on Ctrl-C (the updater's policy rank too)."""
@@ -777,7 +770,7 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli):
         max_tokens=8,
     )
     cal.save(tmp_path / "cal.json")
-    port = free_port()
+    (port,) = pick_free_ports(1)
     sets = [
         f"model.path={sft_model}",
         f"csa.calibration={tmp_path / 'cal.json'}",
