@@ -4,9 +4,10 @@ A causal LM's forward ends in a [tokens x vocabulary] logits tensor (49,152 colu
 most of a training step's memory, though the loss reads one log-prob per response token. Here the
 model runs with its head on no position (transformers' ``logits_to_keep``), and the head is then
 applied only to the hidden states that predict loss tokens, in chunks of ``chunk_tokens``. With
-gradients on, each chunk is recomputed in backward (`torch.utils.checkpoint`), so one chunk's
-logits are alive at a time (the fused linear cross-entropy idea); under ZeRO-3 the chunks' logits
-are kept instead, as a frozen head's weight is partitioned again by the time a recomputation runs.
+gradients on, each chunk keeps only its input and log-sum-exp and recomputes its logits in
+backward (`FusedHeadLogprob`), so one chunk's logits are alive at a time (the fused linear
+cross-entropy idea); under ZeRO-3 the chunks' logits are kept instead, as a frozen head's weight
+is partitioned again by the time a recomputation runs.
 Values and alignment are those of `rlvr.training.batch.token_logprobs` and `token_entropy` at
 every loss token; every other position holds 0.
 """
@@ -30,6 +31,11 @@ def causal_lm(model: Any) -> Any:
     return get_base() if get_base is not None else module
 
 
+def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    """H = -sum p log p per row of normalised ``log_probs`` (overwritten with p log p)."""
+    return -log_probs.exp().mul_(log_probs).sum(-1)
+
+
 def _chunk_stats(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -37,7 +43,9 @@ def _chunk_stats(
     temperature: float,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each target and (without grad, when asked) the entropy, from ``hidden``."""
+    """Log-prob of each target and (without grad, when asked) the entropy, from ``hidden``, the
+    head called as a module (ZeRO-3 gathers its weight in the call) and differentiated by
+    autograd."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -46,9 +54,78 @@ def _chunk_stats(
     if not with_entropy:
         return logp, None
     with torch.no_grad():
-        # H = -sum p log p = lse - sum p * logit
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        entropy = _entropy(logits - lse[:, None])
     return logp, entropy
+
+
+class FusedHeadLogprob(torch.autograd.Function):
+    """Log-probs of ``targets`` under softmax(linear(hidden) / T), and their entropies, with a
+    backward that recomputes the logits from ``hidden`` instead of keeping them.
+
+    The gradient is written out: d log p(y) / d logits = onehot(y) - softmax, scaled by 1 / T,
+    then through the linear map. Against autograd through a recomputed chunk this runs the
+    elementwise work over [tokens x vocabulary] once per pass instead of through every op's
+    saved tensors, and the entropy (no gradient) only in forward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = _logits(hidden, weight, bias, temperature)
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+        entropy = _entropy(logits.sub_(lse[:, None])) if with_entropy else logp.new_empty(0)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        grad_logits = _logits(hidden, weight, bias, ctx.temperature)
+        grad_logits.sub_(lse[:, None]).exp_().mul_(-grad_logp[:, None])  # -g * softmax
+        rows = torch.arange(len(targets), device=targets.device)
+        grad_logits[rows, targets] += grad_logp
+        if ctx.temperature != 1.0:
+            grad_logits.div_(ctx.temperature)
+        grad_logits = grad_logits.to(weight.dtype)
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = grad_logits @ weight if need_hidden else None
+        grad_weight = grad_logits.T @ hidden if need_weight else None
+        grad_bias = grad_logits.sum(0) if need_bias else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    """fp32 logits / ``temperature`` of the linear head, computed in the head's dtype."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+def _fused_chunk_stats(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: torch.nn.Linear,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_chunk_stats` through `FusedHeadLogprob`."""
+    logp, entropy = FusedHeadLogprob.apply(
+        hidden, head.weight, head.bias, targets, temperature, with_entropy
+    )
+    return logp, entropy if with_entropy else None
 
 
 def loss_token_stats(
@@ -96,7 +173,9 @@ def loss_token_stats(
         # a graph through every weight for the backward every micro-batch runs.
         span = slice(i * chunk_tokens, (i + 1) * chunk_tokens)
         args = (predicting[span], targets[span], head, temperature, with_entropy)
-        if recompute and torch.is_grad_enabled():
+        if recompute and type(head) is torch.nn.Linear:
+            logp, entropy = _fused_chunk_stats(*args)
+        elif recompute and torch.is_grad_enabled():
             logp, entropy = checkpoint(_chunk_stats, *args, use_reentrant=False)
         else:
             logp, entropy = _chunk_stats(*args)
