@@ -21,7 +21,7 @@ from rlvr.config import LoraConfig
 from rlvr.memory import pin_mmap_threshold, release_free_heap
 from rlvr.training import weight_sync
 from rlvr.training.batch import TrainBatch
-from rlvr.training.rendezvous import bind_collectives
+from rlvr.training.rendezvous import LAUNCHER_VARIABLES, bind_collectives
 
 
 class PolicyActor:
@@ -44,6 +44,10 @@ class PolicyActor:
         if mmap_threshold_kib:
             pin_mmap_threshold(mmap_threshold_kib << 10)
         torch.set_num_threads(threads)
+        # A worker inherits the environment of whatever started Ray: a process that trained
+        # in-process as rank 0 of 1 left its store's MASTER_PORT there, which is not this rank's.
+        for key in LAUNCHER_VARIABLES:
+            os.environ.pop(key, None)
         os.environ.update(distributed or {})
         if address is not None:
             bind_collectives(address)

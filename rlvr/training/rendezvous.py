@@ -27,6 +27,8 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+"""What a launcher (torchrun, `workflows.policy_group.rank_environments`) tells a rank."""
 
 
 def run_addresses(node_ips: Mapping[str, str]) -> dict[str, str]:

@@ -3,6 +3,7 @@ same losses, gradient norms, DUET sums and weights, the same export, the same sc
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -114,6 +115,24 @@ def test_two_ranks_take_the_one_rank_update(
     # Scores under those weights: a log-prob of -7.7 moved by 1.0e-5 (1.4e-6 relative).
     for a, b in zip(s1, s2, strict=True):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-5)
+
+
+def test_one_rank_ignores_launcher_variables_its_worker_inherited(ray_cluster, tiny_model_dir):
+    """A process that trained in-process as rank 0 of 1 keeps its store's MASTER_PORT in its
+    environment, and Ray workers started from it inherit it (here through the runtime env): a
+    one-rank actor starts its own group instead of binding that taken port."""
+    with socket.socket() as taken:
+        taken.bind((LOOPBACK, 0))
+        taken.listen()
+        inherited = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(taken.getsockname()[1])}
+        actor = ray.remote(PolicyActor).options(
+            num_cpus=0.1, runtime_env={"env_vars": {**inherited, "RANK": "0", "WORLD_SIZE": "1"}}
+        )
+        handle = actor.remote(model_path=str(tiny_model_dir), threads=1, zero_stage=0)
+        try:
+            assert ray.get(handle.ready.remote())
+        finally:
+            _kill([handle])
 
 
 def test_a_failing_rank_is_named(ray_cluster, tiny_model_dir):
