@@ -18,8 +18,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import random
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 
 import psutil
 import torch.distributed as dist
@@ -42,9 +44,40 @@ def _family(address: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in address else socket.AF_INET
 
 
-def free_port(address: str) -> int:
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+RENDEZVOUS_PORTS = range(20000, 32768)
+"""Where `free_port` looks: above Ray's worker ports (10002-19999 by default) and below Linux's
+default ephemeral range (32768-60999)."""
+
+
+def ephemeral_ports(path: Path = EPHEMERAL_RANGE_FILE) -> range:
+    """The ports the kernel hands out on its own (a bind to port 0, a connect's local end):
+    Linux's ``ip_local_port_range``; empty where the file is not there to say."""
+    try:
+        low, high = map(int, path.read_text().split())
+    except (OSError, ValueError):
+        return range(0)
+    return range(low, high + 1)
+
+
+def free_port(address: str, attempts: int = 64) -> int:
     """A port free on ``address`` now, for a rendezvous whose port every rank must know before
-    rank 0 starts its store there."""
+    rank 0 starts its store there.
+
+    It comes from `RENDEZVOUS_PORTS` outside the kernel's ephemeral range, so that in the seconds
+    until rank 0 binds it no outgoing connection of the node (Ray's own make many) can be given
+    it as its local port; a port the OS picks is the fallback when none is found there.
+    """
+    ephemeral = ephemeral_ports()
+    candidates = [p for p in RENDEZVOUS_PORTS if p not in ephemeral]
+    # not the seeded module-level generator: two runs seeded alike would probe the same ports
+    for port in random.SystemRandom().sample(candidates, min(attempts, len(candidates))):
+        with socket.socket(_family(address)) as probe:
+            try:
+                probe.bind((address, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(_family(address)) as probe:
         probe.bind((address, 0))
         return probe.getsockname()[1]

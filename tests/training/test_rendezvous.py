@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,12 @@ import psutil
 import pytest
 import torch.distributed as dist
 
+from rlvr.training import rendezvous
 from rlvr.training.rendezvous import (
     LOOPBACK,
+    RENDEZVOUS_PORTS,
     bind_collectives,
+    ephemeral_ports,
     free_port,
     interface_of,
     master_store,
@@ -150,3 +154,24 @@ def test_two_ranks_set_up_as_a_run_listen_on_the_loopback_alone(listening, loopb
         for proc in ranks:
             output = proc.stdout.read()
             assert proc.wait(timeout=60) == 0, output[-3000:]
+
+
+def test_free_port_is_outside_the_kernels_ephemeral_range(tmp_path):
+    """Outgoing connections take their local ports from the ephemeral range, so a port probed
+    there can be gone by the time rank 0 binds it."""
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    assert ephemeral_ports(ranges) == range(32768, 61000)
+    assert ephemeral_ports(tmp_path / "absent") == range(0)
+    port = free_port(LOOPBACK)
+    assert port in RENDEZVOUS_PORTS and port not in ephemeral_ports()
+
+
+def test_free_port_falls_back_to_one_the_os_picks(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind((LOOPBACK, 0))
+        only = taken.getsockname()[1]
+        monkeypatch.setattr(rendezvous, "RENDEZVOUS_PORTS", range(only, only + 1))
+        monkeypatch.setattr(rendezvous, "ephemeral_ports", lambda: range(0))
+        port = free_port(LOOPBACK)
+    assert port != only
