@@ -32,7 +32,7 @@ def causal_lm(model: Any) -> Any:
 
 
 def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
-    """H = -sum p log p per row of normalised ``log_probs`` (overwritten with p log p)."""
+    """H = -sum p log p per row of normalised ``log_probs`` (one temporary of their size)."""
     return -log_probs.exp().mul_(log_probs).sum(-1)
 
 

@@ -178,6 +178,29 @@ def test_chunked_lm_head_gives_the_full_logits_values_at_loss_tokens(model_dir, 
     assert not logp[~mask].any() and not entropy[~mask].any()
 
 
+def test_a_wrapped_lm_head_takes_the_checkpointed_chunks_with_the_same_gradients(model_dir):
+    """A head that is not a plain Linear (LoRA on lm_head, a wrapper) cannot take
+    `FusedHeadLogprob`; its chunks are recomputed through autograd instead, to the same values."""
+    batch = make_batch()
+    weights = torch.arange(1.0, 1.0 + batch.input_ids.numel()).view(batch.input_ids.shape)
+    runs = []
+    for wrap in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        if wrap:
+            model.lm_head = torch.nn.Sequential(model.lm_head)
+        logp, entropy = loss_token_stats(model, batch, 0.7, 3)
+        (logp * weights).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        runs.append((logp.detach(), entropy, grads))
+    (logp0, ent0, g0), (logp1, ent1, g1) = runs
+    # the same fp32 matmuls, the gradient written out against autograd's: summation order only
+    torch.testing.assert_close(logp1, logp0)
+    torch.testing.assert_close(ent1, ent0)
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6)
+
+
 def test_chunked_lm_head_under_zero3_lora(model_dir):
     """ZeRO-3 gathers the decoder's and the head's weights when they run apart; LoRA's adapters
     stay in the path (and out of it for the reference log-probs)."""
