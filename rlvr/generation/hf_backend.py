@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 
+from rlvr.algorithms.nucleus import top_p_filter
 from rlvr.algorithms.tandem import JUNIOR, WordSwitchSchedule
 from rlvr.generation.base import (
     GenerationRequest,
@@ -43,22 +44,13 @@ _Job = tuple[list[int], int | None, StopRuleTracker | None, AuthorTracker | None
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Log-probs of the distribution a token is sampled from: [batch, vocab] -> [batch, vocab].
 
-    Temperature scales the logits, then top-p keeps the smallest set of most likely tokens whose
-    mass reaches top_p (tokens are dropped while the mass of everything below them stays <= 1 - top_p,
-    never the most likely one), as vLLM does. Greedy decoding reports the raw distribution.
+    Temperature scales the logits, then top-p truncates them as vLLM does (`nucleus.top_p_filter`).
+    Greedy decoding reports the raw distribution.
     """
     logits = logits.float()
     if temperature < GREEDY_EPS:
         return torch.log_softmax(logits, dim=-1)
-    logits = logits / temperature
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=False)
-        mass_below_and_at = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = mass_below_and_at <= 1.0 - top_p
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(top_p_filter(logits / temperature, top_p), dim=-1)
 
 
 def hf_weight_names(config: PretrainedConfig) -> tuple[set[str], set[str]]:

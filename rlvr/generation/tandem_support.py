@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from rlvr.algorithms.nucleus import top_p_filter
 from rlvr.algorithms.tandem import (
     GREEDY_EPS,
     SwitchCounters,
@@ -88,12 +89,7 @@ def draw_tokens(
         if temperature < GREEDY_EPS:
             chosen = group.argmax(dim=-1)
         else:
-            group = group / temperature
-            if top_p < 1.0:
-                sorted_logits, order = group.sort(dim=-1, descending=False)
-                drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - top_p
-                drop[:, -1] = False
-                group = group.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+            group = top_p_filter(group / temperature, top_p)
             probs = group.softmax(dim=-1)
             noise = torch.empty_like(probs)
             for i, row in enumerate(rows):

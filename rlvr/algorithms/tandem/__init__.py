@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlvr.algorithms.counter_rng import uniform
+from rlvr.algorithms.nucleus import top_p_filter
 
 SENIOR = 1
 JUNIOR = 0
@@ -186,11 +187,7 @@ def sample_token(
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=False)
-        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1.0 - top_p
-        drop[-1] = False
-        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logits = top_p_filter(logits, top_p)
     probs = logits.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())
