@@ -1100,6 +1100,12 @@ class Config(Section):
                 f"run.off_policy_steps: {self.algorithm.name} plans each step's rollouts from "
                 "the step before it, so the next step's cannot be generated ahead; use 0"
             )
+        if self.training.engine_is == "off":
+            raise ValueError(
+                "run.off_policy_steps: 1 trains on rollouts sampled by the weights before the "
+                "last update, and with training.engine_is: off nothing corrects for it (the PPO "
+                "ratio starts from the trainer's own weights); set training.engine_is: tis or mask"
+            )
         if self.resources.colocate:
             raise ValueError(
                 "run.off_policy_steps: with resources.colocate each engine shares its rank's "

@@ -126,6 +126,13 @@ def test_off_policy_is_refused_where_generation_cannot_overlap(preset, overrides
         load_config(CONFIGS / preset, ["run.off_policy_steps=1", *overrides])
 
 
+def test_off_policy_needs_the_engine_importance_weights():
+    """Rollouts one update stale are corrected only by the engine importance weights: without
+    them the run would train on them as if they were on-policy."""
+    with pytest.raises(ConfigError, match="run.off_policy_steps: .*training.engine_is: off"):
+        load_config(CONFIGS / "tiny.yaml", ["run.off_policy_steps=1", "training.engine_is=off"])
+
+
 @pytest.mark.parametrize(
     ("preset", "overrides"),
     [
