@@ -193,9 +193,13 @@ def test_long_reasoning_solutions_box_the_answer_correct_and_spread():
 def test_reasoning_is_validated_and_short_keeps_the_old_solutions():
     with pytest.raises(ValueError, match="reasoning"):
         ArithmeticDifficulty(reasoning="medium")
-    old = ArithmeticTask(ArithmeticDifficulty(), seed=0).problems("train", 5)
-    assert all(p.solution.startswith(p.solution.split("\n")[0]) for p in old)
-    assert not any("Step 1" in p.solution for p in old)
+    old = ArithmeticTask(ArithmeticDifficulty(), seed=0).problems("train", 3)
+    # seed 0's first problems exactly as the generator wrote them before `reasoning` existed
+    assert [(p.prompt, p.solution) for p in old] == [
+        ("Compute 18 - 5 + 1.", "18 - 5 = 13\n13 + 1 = 14\nThe answer is \\boxed{14}."),
+        ("Compute 2 + 17.", "2 + 17 = 19\nThe answer is \\boxed{19}."),
+        ("Compute 13 - 8 - 4.", "13 - 8 = 5\n5 - 4 = 1\nThe answer is \\boxed{1}."),
+    ]
 
 
 def test_config_rejects_a_bad_reasoning_naming_the_key():
