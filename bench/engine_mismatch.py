@@ -4,8 +4,9 @@
 
 Samples `--n` rollouts for each of `--prompts` training prompts with vLLM at the config's sampling
 settings, then recomputes the sampled tokens' log-probs the trainer's way (`token_logprobs` over
-the same weights) twice: at the sampling temperature (what the trainer does) and at temperature 1
-(the raw logits). Prints, for each, the engine/trainer ratio rho = pi_old / mu (mean, max), the
+the same weights) three times: at the sampling temperature within its top-p nucleus (what the
+trainer's importance weight compares), over the full tempered softmax (which adds the nucleus
+mass to the ratio) and at temperature 1 (the raw logits). Prints, for each, the engine/trainer ratio rho = pi_old / mu (mean, max), the
 share of tokens past the importance cap, KL(mu || pi_old) and the largest |log-prob difference|,
 and writes them as JSON beside the table.
 """
@@ -67,11 +68,16 @@ def main() -> None:
     batch = results_batch(results, tokenizer.pad_token_id or 0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
     rows = {}
-    for label, temperature in (
-        (f"trainer at T = {g.temperature:g} (sampling)", g.temperature),
-        ("trainer at T = 1 (raw logits)", 1.0),
+    for label, temperature, top_p in (
+        (
+            f"trainer at T = {g.temperature:g}, top-p = {g.top_p:g} (sampling)",
+            g.temperature,
+            g.top_p,
+        ),
+        (f"trainer at T = {g.temperature:g}, full softmax", g.temperature, 1.0),
+        ("trainer at T = 1 (raw logits)", 1.0, 1.0),
     ):
-        logp = trainer_logprobs(model, batch, temperature)
+        logp = trainer_logprobs(model, batch, temperature, top_p)
         rows[label] = mismatch(batch, logp, cfg.training.engine_is_cap)
     title = (
         f"{cfg.model.path}: {len(problems)} prompts x {args.n} rollouts, T = {g.temperature:g}, "

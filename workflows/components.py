@@ -141,6 +141,7 @@ def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         "clip_high": t.clip_high,
         "loss_agg": t.loss_agg,
         "temperature": cfg.generation.temperature,
+        "top_p": cfg.generation.top_p,
         "mini_batches": t.mini_batches,
         "epochs": t.epochs,
         "engine_is": t.engine_is,

@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from rlvr.algorithms.nucleus import nucleus_log_mass
+
 
 @dataclass
 class TrainBatch:
@@ -31,7 +33,8 @@ class TrainBatch:
     its senior-only loss mask. ``filler`` marks rows a data-parallel split added so that every rank
     holds as many rows (`rlvr.training.data_parallel`): they have no loss token and count in no
     denominator. ``prompt_lens`` lets rows that share a prompt run it once
-    (`rlvr.training.shared_prefix`).
+    (`rlvr.training.shared_prefix`). The ``old_*`` fields are the trainer's own record of its
+    old-policy pass (`PolicyTrainer.train_step`), so every update of a step uses the same values.
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -45,6 +48,10 @@ class TrainBatch:
     authorship: torch.Tensor | None = None  # [B, T] long, Tandem: 1 where the senior wrote
     filler: torch.Tensor | None = None  # [B] bool, rows that only even out data-parallel shards
     prompt_lens: torch.Tensor | None = None  # [B] long, prompt tokens at the start of each row
+    # What the trainer's old-policy pass measured, for every update of a step:
+    old_entropy: torch.Tensor | None = None  # [B, T] float, entropy of pi_old (DRO's 80/20 cut)
+    old_nucleus_logp: torch.Tensor | None = None  # [B, T] float, pi_old within the engine's top-p
+    old_outside: torch.Tensor | None = None  # [B, T] bool, token outside pi_old's top-p nucleus
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -201,6 +208,27 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     logp = torch.log_softmax(logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))
+
+
+@torch.no_grad()
+def token_nucleus_log_mass(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+    top_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """At each ``mask`` token, aligned like `token_logprobs`: the log mass of the top-p nucleus
+    of softmax(logits / T) predicting it, and whether the token lies outside that nucleus
+    (`nucleus.nucleus_log_mass`); 0 and False elsewhere. ``[b, t, V], [b, t], [b, t]``."""
+    check_temperature(temperature)
+    rows, cols = mask.nonzero(as_tuple=True)
+    log_mass, outside = nucleus_log_mass(
+        logits[rows, cols - 1].float() / temperature, input_ids[rows, cols], top_p
+    )
+    out = torch.zeros(input_ids.shape, device=logits.device)
+    flags = torch.zeros(input_ids.shape, dtype=torch.bool, device=logits.device)
+    return out.index_put_((rows, cols), log_mass), flags.index_put_((rows, cols), outside)
 
 
 def check_temperature(temperature: float) -> None:

@@ -1,9 +1,11 @@
 """How far a generation engine's sampled-token log-probs are from the trainer's for the same tokens.
 
-The engine samples rollouts and reports log mu(token) under the distribution it drew from; the
-trainer recomputes log pi_old(token) with its own kernels (`token_logprobs` at the sampling
-temperature). Their gap is what the engine importance correction (`grpo.engine_is_weights`)
-repairs; this module measures it on a batch of generation results, for tests and `bench/`.
+The engine samples rollouts and reports log mu(token) under the distribution it drew from (the
+tempered softmax truncated to its top-p nucleus); the trainer recomputes log pi_old(token) with its
+own kernels under the same truncation (`token_logprobs` at the sampling temperature, less
+`token_nucleus_log_mass`). Their gap is what the engine importance correction
+(`grpo.engine_is_weights`) repairs; this module measures it on a batch of generation results, for
+tests and `bench/`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from rlvr.algorithms.grpo import engine_is_weights
 from rlvr.generation.base import GenerationResult
-from rlvr.training.batch import TrainBatch, build_batch, token_logprobs
+from rlvr.training.batch import TrainBatch, build_batch, token_logprobs, token_nucleus_log_mass
 
 
 def results_batch(results: Sequence[GenerationResult], pad_id: int) -> TrainBatch:
@@ -31,16 +33,25 @@ def results_batch(results: Sequence[GenerationResult], pad_id: int) -> TrainBatc
 
 @torch.no_grad()
 def trainer_logprobs(
-    model: Callable[..., Any], batch: TrainBatch, temperature: float, micro_batch_size: int = 16
+    model: Callable[..., Any],
+    batch: TrainBatch,
+    temperature: float,
+    top_p: float = 1.0,
+    micro_batch_size: int = 16,
 ) -> torch.Tensor:
-    """`token_logprobs` of a plain HF model over `batch` at `temperature` (``[B, T]``, CPU)."""
+    """`token_logprobs` of a plain HF model over `batch` at `temperature` (``[B, T]``, CPU),
+    within the top-p nucleus when ``top_p`` < 1."""
     out = torch.zeros(batch.input_ids.shape)
     for start in range(0, len(batch), micro_batch_size):
         mb = batch.micro_batch(start, min(start + micro_batch_size, len(batch)))
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-        out[start : start + len(mb), : mb.input_ids.shape[1]] = token_logprobs(
-            logits, mb.input_ids, temperature
-        )
+        logp = token_logprobs(logits, mb.input_ids, temperature)
+        if top_p < 1.0:
+            log_mass, _ = token_nucleus_log_mass(
+                logits, mb.input_ids, mb.response_mask, temperature, top_p
+            )
+            logp = logp - log_mass
+        out[start : start + len(mb), : mb.input_ids.shape[1]] = logp
     return out
 
 

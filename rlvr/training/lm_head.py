@@ -14,13 +14,28 @@ every loss token; every other position holds 0.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from rlvr.algorithms.nucleus import nucleus_log_mass
 from rlvr.training.batch import TrainBatch, check_temperature
 from rlvr.training.shared_prefix import pack_shared_prefixes
+
+
+class TokenStats(NamedTuple):
+    """What one pass computes at the loss tokens, each ``[b, t]`` (0 or False elsewhere)."""
+
+    logp: torch.Tensor
+    """log p_T(token): differentiable when grad is on."""
+    entropy: torch.Tensor | None
+    """Entropy of p_T (no grad), when asked."""
+    nucleus_logp: torch.Tensor | None = None
+    """log-prob (no grad) under p_T truncated to its top-p nucleus and renormalised, the
+    distribution the engine samples from (`nucleus.nucleus_log_mass`), when asked."""
+    outside: torch.Tensor | None = None
+    """bool: the token lay outside that nucleus (it joined it for `nucleus_logp`)."""
 
 
 def causal_lm(model: Any) -> Any:
@@ -42,20 +57,29 @@ def _chunk_stats(
     head: torch.nn.Module,
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of each target and (without grad, when asked) the entropy, from ``hidden``, the
-    head called as a module (ZeRO-3 gathers its weight in the call) and differentiated by
-    autograd."""
+    top_p: float,
+) -> tuple[torch.Tensor, ...]:
+    """Log-prob of each target and, without grad, the entropy (empty unless ``with_entropy``)
+    and the top-p nucleus' log mass and outside flags (empty when ``top_p`` is 1), from
+    ``hidden``, the head called as a module (ZeRO-3 gathers its weight in the call) and
+    differentiated by autograd."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, None
     with torch.no_grad():
-        entropy = _entropy(logits - lse[:, None])
-    return logp, entropy
+        entropy = _entropy(logits - lse[:, None]) if with_entropy else logp.new_empty(0)
+        return logp, entropy, *_nucleus(logits, targets, top_p)
+
+
+def _nucleus(
+    logits: torch.Tensor, targets: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`nucleus_log_mass` of tempered ``logits``, or two empty tensors when ``top_p`` is 1."""
+    if top_p >= 1.0:
+        return logits.new_empty(0), targets.new_empty(0, dtype=torch.bool)
+    return nucleus_log_mass(logits, targets, top_p)
 
 
 class FusedHeadLogprob(torch.autograd.Function):
@@ -77,19 +101,21 @@ class FusedHeadLogprob(torch.autograd.Function):
         targets: torch.Tensor,
         temperature: float,
         with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        top_p: float = 1.0,
+    ) -> tuple[torch.Tensor, ...]:
         logits = _logits(hidden, weight, bias, temperature)
         lse = torch.logsumexp(logits, dim=-1)
         logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
         entropy = _entropy(logits.sub_(lse[:, None])) if with_entropy else logp.new_empty(0)
+        log_mass, outside = _nucleus(logits, targets, top_p)
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy)
-        return logp, entropy
+        ctx.mark_non_differentiable(entropy, log_mass, outside)
+        return logp, entropy, log_mass, outside
 
     @staticmethod
     def backward(
-        ctx: Any, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor
+        ctx: Any, grad_logp: torch.Tensor, *_non_differentiable: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         grad_logits = _logits(hidden, weight, bias, ctx.temperature)
@@ -103,7 +129,7 @@ class FusedHeadLogprob(torch.autograd.Function):
         grad_hidden = grad_logits @ weight if need_hidden else None
         grad_weight = grad_logits.T @ hidden if need_weight else None
         grad_bias = grad_logits.sum(0) if need_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _logits(
@@ -120,12 +146,12 @@ def _fused_chunk_stats(
     head: torch.nn.Linear,
     temperature: float,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    top_p: float,
+) -> tuple[torch.Tensor, ...]:
     """`_chunk_stats` through `FusedHeadLogprob`."""
-    logp, entropy = FusedHeadLogprob.apply(
-        hidden, head.weight, head.bias, targets, temperature, with_entropy
+    return FusedHeadLogprob.apply(
+        hidden, head.weight, head.bias, targets, temperature, with_entropy, top_p
     )
-    return logp, entropy if with_entropy else None
 
 
 def loss_token_stats(
@@ -137,10 +163,11 @@ def loss_token_stats(
     recompute: bool = True,
     head_calls: int | None = None,
     shared_prefix: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    top_p: float = 1.0,
+) -> TokenStats:
     """Log-probs ``[b, t]`` (differentiable when grad is on) and entropies ``[b, t]`` (no grad;
     None without ``with_entropy``) of softmax(logits / ``temperature``) at
-    ``batch.response_mask``, 0 elsewhere.
+    ``batch.response_mask``, 0 elsewhere; with ``top_p`` < 1 also the nucleus log-probs.
 
     ``shared_prefix`` runs each prompt once for the rows that share it
     (`shared_prefix.pack_shared_prefixes`). ``recompute`` False keeps every chunk's logits for
@@ -167,28 +194,30 @@ def loss_token_stats(
     if head_calls is not None and head_calls < needed:
         raise ValueError(f"head_calls={head_calls} but the loss tokens need {needed}")
     head = causal_lm(model).get_output_embeddings()
-    logps, entropies = [], []
+    chunks = []
     for i in range(needed if head_calls is None else head_calls):
         # Calls past the loss tokens take empty chunks; even one with no loss token at all keeps
         # a graph through every weight for the backward every micro-batch runs.
         span = slice(i * chunk_tokens, (i + 1) * chunk_tokens)
-        args = (predicting[span], targets[span], head, temperature, with_entropy)
+        args = (predicting[span], targets[span], head, temperature, with_entropy, top_p)
         if recompute and type(head) is torch.nn.Linear:
-            logp, entropy = _fused_chunk_stats(*args)
+            chunks.append(_fused_chunk_stats(*args))
         elif recompute and torch.is_grad_enabled():
-            logp, entropy = checkpoint(_chunk_stats, *args, use_reentrant=False)
+            chunks.append(checkpoint(_chunk_stats, *args, use_reentrant=False))
         else:
-            logp, entropy = _chunk_stats(*args)
-        logps.append(logp)
-        entropies.append(entropy)
+            chunks.append(_chunk_stats(*args))
+    logp, entropy, log_mass, outside = (torch.cat(parts) for parts in zip(*chunks, strict=True))
     shape, device = batch.input_ids.shape, hidden.device
-    logp = torch.zeros(shape, dtype=torch.float32, device=device)
-    logp = logp.index_put((rows, cols), torch.cat(logps))
-    if not with_entropy:
-        return logp, None
-    entropy = torch.zeros(shape, dtype=torch.float32, device=device)
-    entropy[rows, cols] = torch.cat(entropies)
-    return logp, entropy
+
+    def spread(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device).index_put((rows, cols), values)
+
+    return TokenStats(
+        spread(logp),
+        spread(entropy) if with_entropy else None,
+        spread(logp.detach() - log_mass) if top_p < 1.0 else None,
+        spread(outside, torch.bool) if top_p < 1.0 else None,
+    )
 
 
 def last_hidden_state(

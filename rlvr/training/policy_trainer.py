@@ -32,12 +32,24 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from rlvr.algorithms import dro, grpo
 from rlvr.config import LoraConfig
 from rlvr.generation.base import scored_positions
-from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
+from rlvr.training.batch import (
+    TrainBatch,
+    build_batch,
+    token_entropy,
+    token_logprobs,
+    token_nucleus_log_mass,
+)
 from rlvr.training.data_parallel import mini_batch_bounds, token_budget_rows
 from rlvr.training.lean_import import without_modules
-from rlvr.training.lm_head import head_calls_needed, loss_token_stats
+from rlvr.training.lm_head import TokenStats, head_calls_needed, loss_token_stats
 from rlvr.training.rendezvous import LOOPBACK, master_store
-from rlvr.training.shared_prefix import BLOCK_MASK_ATTENTION, packed_length, prompt_groups
+from rlvr.training.shared_prefix import (
+    BLOCK_MASK_ATTENTION,
+    longest_pack,
+    packed_length,
+    prompt_groups,
+    sliding_window,
+)
 from rlvr.training.weight_sync import TensorSpec
 
 # `import deepspeed` imports its autotuner, which imports mlflow whenever it is installed (the
@@ -153,7 +165,10 @@ class PolicyTrainer:
     backward instead of keeping its activations: the same values for one more forward.
     ``engine_is`` corrects the mismatch between the generation engine that sampled the rollouts
     and the trainer (`grpo.engine_is_weights`, cap ``engine_is_cap``) when the batch carries
-    ``rollout_logp``. With ``lora`` enabled only the adapter trains and the reference policy is the
+    ``rollout_logp``. The engine reports log-probs of what it sampled from, the tempered
+    distribution truncated to its top-p nucleus; the weight compares them with pi_old under the
+    same truncation (``top_p``, `nucleus.nucleus_log_mass`), so with the engine's weights it is 1:
+    the policy-gradient ratio itself stays that of the full tempered softmax, as in verl and TRL. With ``lora`` enabled only the adapter trains and the reference policy is the
     same model with adapters disabled; a full fine-tune keeps a frozen reference copy only when
     ``kl_coef > 0``. The k3 KL is aggregated like the policy loss (``loss_agg``).
 
@@ -200,6 +215,7 @@ class PolicyTrainer:
         loss: Literal["grpo", "dro"] = "grpo",
         rho_ent: float = dro.DEFAULT_RHO_ENT,
         temperature: float = 1.0,
+        top_p: float = 1.0,
         mini_batches: int = 1,
         epochs: int = 1,
         engine_is: EngineIS = "off",
@@ -213,6 +229,8 @@ class PolicyTrainer:
             raise ValueError(f"loss must be 'grpo' or 'dro', got {loss!r}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if mini_batches < 1 or epochs < 1:
             raise ValueError(f"mini_batches={mini_batches} and epochs={epochs} must be >= 1")
         if engine_is not in grpo.ENGINE_IS_MODES:
@@ -220,6 +238,7 @@ class PolicyTrainer:
         schedule = LrLambda(lr_schedule, warmup_steps, total_steps, min_lr_ratio)
         init_distributed()
         self.temperature = temperature
+        self.top_p = top_p
         self.mini_batches = mini_batches
         self.epochs = epochs
         self.engine_is: EngineIS = engine_is
@@ -272,6 +291,8 @@ class PolicyTrainer:
                 " and ".join(BLOCK_MASK_ATTENTION),
             )
             self.shared_prefix = False
+        self._window = sliding_window(model.config)
+        self._window_warned = False
         self._ref_model: PreTrainedModel | None = None
         if lora is not None and lora.enabled:
             model = peft.get_peft_model(
@@ -338,19 +359,24 @@ class PolicyTrainer:
     def _budget_units(self, batch: TrainBatch) -> tuple[list[list[int]], list[int]]:
         """What token-budget micro-batches are made of, and each one's tokens: rows, or under
         ``shared_prefix`` whole prompt groups at their packed length."""
-        if self.shared_prefix and batch.prompt_lens is not None:
+        if self._packs(batch):
             groups = prompt_groups(batch)
             return groups, [packed_length(batch, rows) for rows in groups]
         return [[row] for row in range(len(batch))], batch.attention_mask.sum(dim=1).tolist()
 
     def _token_stats(
-        self, model: Callable[..., Any], mb: TrainBatch, temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs and (with_entropy) entropies ``[b, t]`` of one micro-batch: through the LM
-        head at the loss tokens only (`lm_head.loss_token_stats`, in chunks of ``lm_head_chunk``,
-        one chunk when only ``shared_prefix`` asks for it; packed when the batch knows its
-        prompts), else from the full logits tensor."""
-        shared_prefix = self.shared_prefix and mb.prompt_lens is not None
+        self,
+        model: Callable[..., Any],
+        mb: TrainBatch,
+        temperature: float,
+        with_entropy: bool,
+        top_p: float = 1.0,
+    ) -> TokenStats:
+        """Log-probs, (with_entropy) entropies and (top_p < 1) nucleus log-probs ``[b, t]`` of one
+        micro-batch: through the LM head at the loss tokens only (`lm_head.loss_token_stats`, in
+        chunks of ``lm_head_chunk``, one chunk when only ``shared_prefix`` asks for it; packed
+        when the batch knows its prompts), else from the full logits tensor."""
+        shared_prefix = self._packs(mb)
         if self.lm_head_chunk or shared_prefix:
             chunk = self.lm_head_chunk or max(1, mb.num_loss_tokens)
             head_calls = None
@@ -366,31 +392,67 @@ class PolicyTrainer:
                 recompute=self.zero_stage != 3,
                 head_calls=head_calls,
                 shared_prefix=shared_prefix,
+                top_p=top_p,
             )
         logits = model(
             input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
         ).logits
         logp = token_logprobs(logits, mb.input_ids, temperature)
-        return logp, token_entropy(logits, temperature) if with_entropy else None
+        entropy = token_entropy(logits, temperature) if with_entropy else None
+        if top_p >= 1.0:
+            return TokenStats(logp, entropy)
+        log_mass, outside = token_nucleus_log_mass(
+            logits, mb.input_ids, mb.response_mask, temperature, top_p
+        )
+        return TokenStats(logp, entropy, logp.detach() - log_mass, outside)
+
+    def _packs(self, batch: TrainBatch) -> bool:
+        """Whether ``batch`` runs packed (``shared_prefix``): it knows its prompts, and its
+        packed sequences fit the model's sliding window, if any (else packed responses would
+        see other tokens than in their own rows: the plain forward runs instead)."""
+        if not self.shared_prefix or batch.prompt_lens is None:
+            return False
+        if self._window is None or longest_pack(batch) <= self._window:
+            return True
+        if not self._window_warned:
+            log.warning(
+                "training.shared_prefix is off for batches whose packed prompt groups exceed the "
+                "model's %d-token sliding window (%d here): the plain forward runs them",
+                self._window,
+                longest_pack(batch),
+            )
+            self._window_warned = True
+        return False
 
     @torch.no_grad()
-    def _logprobs_with(
+    def _stats_with(
         self,
         model: Callable[..., Any],
         batch: TrainBatch,
         temperature: float,
-        entropy: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Log-probs ``[B, T]`` at ``temperature``; fills ``entropy`` (``[B, T]``) when given."""
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        with_entropy: bool = False,
+        top_p: float = 1.0,
+    ) -> TokenStats:
+        """`_token_stats` of the whole batch in micro-batches, ``[B, T]`` on the CPU."""
+        shape = batch.input_ids.shape
+        logp = torch.zeros(shape)
+        entropy = torch.zeros(shape) if with_entropy else None
+        nucleus = torch.zeros(shape) if top_p < 1.0 else None
+        outside = torch.zeros(shape, dtype=torch.bool) if top_p < 1.0 else None
         for rows in self._micro_batches(batch):
             mb = batch.rows(rows).to(self.device)
             width = mb.input_ids.shape[1]
-            logp, mb_entropy = self._token_stats(model, mb, temperature, entropy is not None)
-            out[rows, :width] = logp.cpu()
-            if entropy is not None:
-                entropy[rows, :width] = mb_entropy.cpu()
-        return out
+            stats = self._token_stats(model, mb, temperature, with_entropy, top_p)
+            for whole, part in zip((logp, entropy, nucleus, outside), stats, strict=True):
+                if whole is not None:
+                    whole[rows, :width] = part.cpu()
+        return TokenStats(logp, entropy, nucleus, outside)
+
+    def _logprobs_with(
+        self, model: Callable[..., Any], batch: TrainBatch, temperature: float
+    ) -> torch.Tensor:
+        """Log-probs ``[B, T]`` at ``temperature``."""
+        return self._stats_with(model, batch, temperature).logp
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Current policy log-probs ``[B, T]`` (float32, CPU) at the sampling temperature,
@@ -448,7 +510,8 @@ class PolicyTrainer:
         engine_ratio_max, engine_capped_frac, engine_kl), measured whatever ``engine_is`` is. With
         ``logprob_sums`` it also returns "logprob_sums": per sequence of this rank's batch, the
         old-policy log-prob summed over its loss tokens (DUET's surrogate). The DRO loss also
-        returns "entropy_threshold", the 80/20 cut over every loss token of the batch.
+        returns "entropy_threshold", the 80/20 cut over every loss token of the batch by pi_old's
+        entropies, which every update applies, and "pg_token_frac", the share it keeps.
         """
         if batch.advantages is None:
             raise ValueError("train_step needs batch.advantages")
@@ -457,19 +520,28 @@ class PolicyTrainer:
             raise ValueError("batch has no loss tokens")
         parts = self._mini_batch_rows(len(batch))
         several = self.epochs * len(parts) > 1
-        entropy = torch.zeros(batch.input_ids.shape) if self.loss == "dro" else None
-        if (several and batch.old_logp is None) or entropy is not None:
+        dro_cut = self.loss == "dro"
+        if (several and batch.old_logp is None) or dro_cut:
             # pi_old before the first optimizer step: the ratio's denominator for every later
-            # step, and (DRO) the entropies of the whole batch's 80/20 cut.
+            # step, its nucleus log-probs for the engine importance weights, and (DRO) the
+            # entropies of the whole batch's 80/20 cut, which every update applies.
             self.engine.eval()
-            old_logp = self._logprobs_with(self.engine, batch, self.temperature, entropy)
+            old = self._stats_with(
+                self.engine, batch, self.temperature, dro_cut, self._nucleus_top_p(batch)
+            )
+            batch = replace(batch, old_entropy=old.entropy)
             if batch.old_logp is None:
-                batch = replace(batch, old_logp=old_logp)
+                batch = replace(
+                    batch,
+                    old_logp=old.logp,
+                    old_nucleus_logp=old.nucleus_logp,
+                    old_outside=old.outside,
+                )
         if self.kl_coef > 0 and batch.ref_logp is None:
             batch = replace(batch, ref_logp=self.ref_logprobs(batch))
         threshold = None
-        if entropy is not None:
-            values = self._gather(entropy[batch.response_mask])
+        if dro_cut:
+            values = self._gather(batch.old_entropy[batch.response_mask])
             threshold = float(dro.entropy_threshold(values, self.rho_ent))
 
         engine = _EngineMismatch()
@@ -502,6 +574,11 @@ class PolicyTrainer:
         if logprob_sums:
             out["logprob_sums"] = seq_logp.tolist()
         return out
+
+    def _nucleus_top_p(self, batch: TrainBatch) -> float:
+        """The top-p the engine importance weights need pi_old's nucleus for: the sampler's when
+        the batch carries the engine's log-probs, else 1 (none)."""
+        return self.top_p if batch.rollout_logp is not None else 1.0
 
     def _mini_batch_rows(self, n: int) -> list[list[int]]:
         """Rows of each optimizer step (`data_parallel.mini_batch_bounds`)."""
@@ -543,20 +620,40 @@ class PolicyTrainer:
             "clip_frac_high",
             "approx_kl",
         )
+        if self.loss == "dro":
+            keys += ("pg_token_frac",)
         totals = dict.fromkeys(keys, 0.0)
         seq_logp = torch.zeros(len(batch), dtype=torch.float64)
         micro_batches = self._micro_batches(batch)
         for i, rows in enumerate(micro_batches):
             mb = batch.rows(rows).to(self.device)
             self.engine.set_gradient_accumulation_boundary(i == len(micro_batches) - 1)
-            logp, entropy = self._token_stats(self.engine, mb, self.temperature, True)
+            weigh_engine = mb.rollout_logp is not None and (
+                engine is not None or self.engine_is != "off"
+            )
+            top_p = self._nucleus_top_p(mb) if on_policy and weigh_engine else 1.0
+            logp, entropy, nucleus_logp, outside = self._token_stats(
+                self.engine, mb, self.temperature, True, top_p
+            )
             token_share = int(per_seq_tokens[rows].sum()) / max(n_tokens, 1)
             old_logp = logp.detach() if on_policy else mb.old_logp
+            if not on_policy:
+                nucleus_logp, outside = mb.old_nucleus_logp, mb.old_outside
             seq_logp[rows] = _masked_row_sums(old_logp, mb.response_mask)
             token_weights = None
-            if mb.rollout_logp is not None and (engine is not None or self.engine_is != "off"):
+            if weigh_engine:
+                if self.top_p < 1.0 and nucleus_logp is None:
+                    raise ValueError(
+                        "batch.old_logp was given without old_nucleus_logp: the engine importance "
+                        f"weights need pi_old within the sampler's top-p {self.top_p}"
+                    )
                 token_weights, engine_stats = grpo.engine_is_weights(
-                    old_logp, mb.rollout_logp, mb.response_mask, self.engine_is, self.engine_is_cap
+                    old_logp if nucleus_logp is None else nucleus_logp,
+                    mb.rollout_logp,
+                    mb.response_mask,
+                    self.engine_is,
+                    self.engine_is_cap,
+                    outside=outside,
                 )
                 if engine is not None:
                     engine.add(engine_stats)
@@ -569,7 +666,7 @@ class PolicyTrainer:
                     mb.advantages,
                     mb.response_mask,
                     ref_logp=mb.ref_logp,
-                    entropy=entropy,
+                    entropy=mb.old_entropy,
                     beta=self.kl_coef,
                     clip_low=self.clip_low,
                     clip_high=self.clip_high,
@@ -581,6 +678,7 @@ class PolicyTrainer:
                 )
                 pg_loss = stats["pg_loss"]
                 totals["kl"] += stats["kl_loss"].item()
+                totals["pg_token_frac"] += stats["pg_token_frac"].item() * token_share
             else:
                 pg_loss, stats = grpo.policy_loss(
                     logp,
@@ -865,7 +963,7 @@ class _EngineMismatch:
     """Token-weighted running means (and the max) of `grpo.engine_is_weights`'s statistics over
     the micro-batches of an update."""
 
-    MEANS = ("engine_ratio_mean", "engine_capped_frac", "engine_kl")
+    MEANS = ("engine_ratio_mean", "engine_capped_frac", "engine_kl", "engine_outside_frac")
 
     def __init__(self) -> None:
         self.sums = dict.fromkeys(self.MEANS, 0.0)

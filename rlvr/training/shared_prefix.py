@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 
 from rlvr.training.batch import TrainBatch
 
@@ -35,6 +36,22 @@ class PackedGroups:
     predicting: tuple[torch.Tensor, torch.Tensor]
     """(pack, position) of the hidden state predicting each loss token, in the order of
     ``batch.response_mask.nonzero()``."""
+
+
+def sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window of a model that has one on any layer (Mistral, Gemma, Qwen2 with
+    use_sliding_window), else None. A packed response sits further from earlier tokens than in
+    its own row, so a window would cut its context differently."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
+
+
+def longest_pack(batch: TrainBatch) -> int:
+    """Tokens of the longest packed sequence of ``batch`` (`packed_length` of each prompt group)."""
+    return max(packed_length(batch, rows) for rows in prompt_groups(batch))
 
 
 def prompt_groups(batch: TrainBatch) -> list[list[int]]:

@@ -33,7 +33,7 @@ def test_fused_head_matches_autograd(temperature, bias, tokens):
     for t in (hidden, *head.parameters()):
         t.grad = None
 
-    logp, entropy = FusedHeadLogprob.apply(
+    logp, entropy, _, _ = FusedHeadLogprob.apply(
         hidden, head.weight, head.bias, targets, temperature, True
     )
     (logp * upstream).sum().backward()
@@ -54,9 +54,9 @@ def test_fused_head_without_entropy_or_grad():
     targets = torch.randint(0, 20, (5,))
     want, _ = reference(hidden, head, targets, 1.0)
     with torch.no_grad():
-        logp, entropy = FusedHeadLogprob.apply(hidden, head.weight, None, targets, 1.0, False)
+        logp, entropy, _, _ = FusedHeadLogprob.apply(hidden, head.weight, None, targets, 1.0, False)
     assert entropy.numel() == 0
     torch.testing.assert_close(logp, want.detach())
-    logp, _ = FusedHeadLogprob.apply(hidden, head.weight, None, targets, 1.0, False)
+    logp, *_ = FusedHeadLogprob.apply(hidden, head.weight, None, targets, 1.0, False)
     logp.sum().backward()
     assert hidden.grad is not None and head.weight.grad is None

@@ -169,7 +169,7 @@ def test_chunked_lm_head_gives_the_full_logits_values_at_loss_tokens(model_dir, 
     )
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logp, entropy = loss_token_stats(model, batch, 0.7, chunk)
+        logp, entropy, *_ = loss_token_stats(model, batch, 0.7, chunk)
     mask = batch.response_mask
     assert int(mask.sum()) == 7
     # the same fp32 matmuls, the head applied to fewer rows: equal up to summation order
@@ -188,7 +188,7 @@ def test_a_wrapped_lm_head_takes_the_checkpointed_chunks_with_the_same_gradients
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         if wrap:
             model.lm_head = torch.nn.Sequential(model.lm_head)
-        logp, entropy = loss_token_stats(model, batch, 0.7, 3)
+        logp, entropy, *_ = loss_token_stats(model, batch, 0.7, 3)
         (logp * weights).sum().backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         runs.append((logp.detach(), entropy, grads))
@@ -330,11 +330,51 @@ def test_bfloat16_step(model_dir):
 
 
 DATA_PARALLEL = {"zero_stage": 2, "micro_batch_size": 1, "kl_coef": 0.1}
+# Per row: a Tandem-style loss mask (the junior's tokens carry none), a DUET weight, and the
+# engine's log-prob of each response token (ratios on both sides of the importance cap).
+LOSS_MASKS = [[1, 0, 1], [1], [1, 1], [0, 1, 1, 0]]
+WEIGHTS = [1.0, 2.0, 0.5, 1.5]
+ENGINE_LOGPROBS = [[-6.0 - 1.2 * j for j in range(len(r))] for r in RESPONSES]
+ROLLOUTS = {"loss_masks": LOSS_MASKS, "weights": WEIGHTS, "rollout_logprobs": ENGINE_LOGPROBS}
+SAMPLER = {"engine_is": "tis", "temperature": 0.8, "top_p": 0.9}
+TWO_RANK_CASES = {
+    "token-mean": ({}, {}),
+    "seq-mean-token-mean": ({"loss_agg": "seq-mean-token-mean", **SAMPLER}, ROLLOUTS),
+    "seq-mean-token-sum-norm": ({"loss_agg": "seq-mean-token-sum-norm", **SAMPLER}, ROLLOUTS),
+    "dro": ({"loss": "dro", "rho_ent": 0.4, "max_response_len": 4, **SAMPLER}, ROLLOUTS),
+}
+
+
+def case_batch(rows: list[int], extras: dict) -> TrainBatch:
+    """``rows`` of the test batch with a case's per-row extras (what a data-parallel worker
+    builds from its share, `data_parallel_worker.py`)."""
+    batch = build_batch(
+        [PROMPTS[i] for i in rows],
+        [RESPONSES[i] for i in rows],
+        pad_id=0,
+        loss_masks=[[bool(f) for f in extras["loss_masks"][i]] for i in rows]
+        if "loss_masks" in extras
+        else None,
+        rollout_logprobs=[extras["rollout_logprobs"][i] for i in rows]
+        if "rollout_logprobs" in extras
+        else None,
+    )
+    batch.advantages = torch.tensor([ADVANTAGES[i] for i in rows])
+    if "weights" in extras:
+        batch.weights = torch.tensor([extras["weights"][i] for i in rows])
+    return batch
 
 
 @pytest.mark.two_ranks
-def test_two_ranks_give_the_one_process_step(model_dir, tmp_path):
-    expected = train(make_trainer(model_dir, **DATA_PARALLEL), 2)
+@pytest.mark.parametrize("case", list(TWO_RANK_CASES))
+def test_two_ranks_give_the_one_process_step(model_dir, tmp_path, case):
+    """Every loss aggregation and the DRO loss, with DUET weights, Tandem masks and the engine's
+    log-probs (importance weights within the sampler's nucleus), on two ranks whose shares hold
+    different token counts: the metrics of the one-process step, update after update."""
+    settings, extras = TWO_RANK_CASES[case]
+    settings = {**TRAINER_DEFAULTS, **DATA_PARALLEL, **settings}
+    one = PolicyTrainer(model_dir, **settings)
+    expected = [one.train_step(case_batch([0, 1, 2, 3], extras)) for _ in range(2)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -345,10 +385,11 @@ def test_two_ranks_give_the_one_process_step(model_dir, tmp_path):
         rows = [2 * rank, 2 * rank + 1]
         spec = {
             "model_dir": str(model_dir),
-            "settings": {**TRAINER_DEFAULTS, **DATA_PARALLEL},
+            "settings": settings,
             "prompts": [PROMPTS[i] for i in rows],
             "responses": [RESPONSES[i] for i in rows],
             "advantages": [ADVANTAGES[i] for i in rows],
+            **{key: [values[i] for i in rows] for key, values in extras.items()},
             "steps": 2,
             "out": str(tmp_path / "metrics.json"),
         }
@@ -373,9 +414,17 @@ def test_two_ranks_give_the_one_process_step(model_dir, tmp_path):
         output, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, output[-3000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    # Step 2 runs on weights updated by step 1, so matching it checks the update too.
-    for got, want in zip(metrics, expected, strict=True):
-        assert scalars(got) == pytest.approx(scalars(want), rel=1e-5, abs=1e-7)
+    # Step 2 runs on weights updated by step 1, so matching it checks the update too. Losses
+    # are float32 sums of O(1) terms in another order on two ranks: ~1e-7 apart, also where
+    # they nearly cancel (a DRO pg_loss of -0.01 moved by 1.2e-7), hence abs 1e-6. Step 2's
+    # weights are one Adam step apart by that rounding, which Adam's m / sqrt(v) makes a visible
+    # step for noise-sized gradients: its log-probs agree to ~1e-5, and an importance ratio
+    # exp(log-prob gap) of 170 to 1.3e-5 relative, hence 1e-4 there.
+    for step, (got, want) in enumerate(zip(metrics, expected, strict=True)):
+        rel = 1e-5 if step == 0 else 1e-4
+        assert scalars(got) == pytest.approx(scalars(want), rel=rel, abs=1e-6)
+    if extras:
+        assert "engine_ratio_mean" in metrics[0] and metrics[0]["engine_capped_frac"] > 0
 
 
 @pytest.mark.parametrize(

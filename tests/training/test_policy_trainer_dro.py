@@ -130,3 +130,30 @@ def test_kl_to_the_frozen_reference(model_dir):
     assert first["kl"] == pytest.approx(0.0, abs=1e-9)  # the policy still is the reference
     second = trainer.train_step(make_batch())
     assert second["kl"] > 0.0
+
+
+def test_every_update_cuts_on_the_old_policy_s_entropies(model_dir):
+    """With two mini-batches over two epochs, each update applies the 80/20 cut to pi_old's
+    entropies (the pass before the first update), not to the entropies of the policy it has
+    become: the share of tokens it keeps is that of the old entropies in every update, though a
+    large step moves the entropies in between."""
+    batch = make_batch()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    entropy = token_entropy(logits)
+    mask = batch.response_mask
+    threshold = dro.entropy_threshold(entropy[mask], 0.4)
+    halves = ([0, 1], [2, 3])  # mini-batch rows; every update has each half's 4 or 6 tokens
+    kept = [float((entropy[rows][mask[rows]] >= threshold).float().mean()) for rows in halves]
+    trainer = make_trainer(
+        model_dir, micro_batch_size=2, rho_ent=0.4, lr=0.5, mini_batches=2, epochs=2
+    )
+    out = trainer.train_step(batch)
+    assert out["entropy_threshold"] == pytest.approx(float(threshold), rel=1e-5)
+    shares = [u["pg_token_frac"] for u in out["updates"]]
+    assert shares == pytest.approx(kept + kept, abs=1e-6)
+    with torch.no_grad():  # the step did move the entropies: a fresh cut would differ
+        model.load_state_dict(trainer.export_weights(), strict=False)
+        moved = token_entropy(model(input_ids=batch.input_ids).logits)
+    assert float((moved - entropy)[mask].abs().max()) > 0.1

@@ -183,6 +183,28 @@ def test_engine_importance_weights_enter_the_loss(model_dir, mode):
     assert out["engine_kl"] == pytest.approx(float(-rho_c.log().mean()), abs=TOL)
 
 
+def test_engine_importance_weights_leave_the_kl_term_unweighted(model_dir):
+    """TIS corrects the policy-gradient estimate for the engine having sampled the tokens; the
+    KL to the reference is a penalty on pi_theta itself and keeps its plain mean (verl, OpenRLHF)."""
+    batch = make_batch()
+    trainer = PolicyTrainer(model_dir, **BASE, engine_is="tis", engine_is_cap=2.0, kl_coef=0.1)
+    logp = trainer.logprobs(batch)
+    mask = batch.response_mask
+    rho = torch.ones_like(logp)
+    rho[0], rho[3] = 0.5, 1.8
+    batch.rollout_logp = torch.where(mask, logp - rho.log(), torch.zeros_like(logp))
+    shift = torch.linspace(-0.3, 0.6, logp.numel()).reshape(logp.shape)
+    batch.ref_logp = logp + shift
+    out = trainer.train_step(batch)
+    k3 = shift.double().exp() - shift.double() - 1
+    unweighted = aggregate(k3, mask, "token-mean")
+    assert abs(aggregate(k3 * rho, mask, "token-mean") - unweighted) > 100 * TOL
+    assert out["kl"] == pytest.approx(unweighted, abs=TOL)
+    adv = torch.tensor(ADVANTAGES)[:, None].expand_as(logp)
+    assert out["pg_loss"] == pytest.approx(aggregate(-adv * rho, mask, "token-mean"), abs=TOL)
+    assert out["loss"] == pytest.approx(out["pg_loss"] + 0.1 * unweighted, abs=TOL)
+
+
 def test_lr_schedules_by_hand():
     constant = LrLambda("constant", warmup=4)
     assert [constant(k) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]

@@ -71,7 +71,7 @@ def test_packed_forward_gives_the_plain_logprobs_and_entropies(model_dir, attent
     batch = make_batch()
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logp, entropy = loss_token_stats(model, batch, 0.7, 4, shared_prefix=True)
+        logp, entropy, *_ = loss_token_stats(model, batch, 0.7, 4, shared_prefix=True)
     mask = batch.response_mask
     assert int(mask.sum()) == 10
     # fp32 attention over a longer, masked key axis: equal up to summation order
@@ -167,3 +167,33 @@ def test_attention_without_block_masks_falls_back_and_says_so(model_dir, monkeyp
         trainer = PolicyTrainer(model_dir, shared_prefix=True)
     assert trainer.shared_prefix is False
     assert "training.shared_prefix is off" in caplog.text
+
+
+def test_a_sliding_window_shorter_than_a_pack_runs_the_plain_forward(model_dir, tmp_path, caplog):
+    """Packed, a response sits further from the prompt than in its own row, so a sliding window
+    would cut its context elsewhere: batches whose packs exceed the window run the plain
+    forward (and say so once), batches whose packs fit it still pack."""
+    from transformers import AutoConfig
+
+    windowed = tmp_path / "windowed"
+    AutoModelForCausalLM.from_pretrained(model_dir).save_pretrained(windowed)
+    config = AutoConfig.from_pretrained(model_dir)
+    config.use_sliding_window, config.sliding_window = True, 6
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    config.save_pretrained(windowed)
+    batch = make_batch()  # packs of 12 and 9 tokens, rows of up to 8
+    model = AutoModelForCausalLM.from_pretrained(windowed).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        packed, *_ = loss_token_stats(model, batch, 1.0, 4, shared_prefix=True)
+    plain = token_logprobs(logits, batch.input_ids)
+    mask = batch.response_mask
+    assert (packed - plain)[mask].abs().max() > 1e-3  # what packing would have trained on
+
+    with caplog.at_level("WARNING", logger=policy_trainer.__name__):
+        trainer = PolicyTrainer(windowed, micro_batch_size=8, shared_prefix=True)
+        logp = trainer.logprobs(batch)
+    assert "6-token sliding window (12 here)" in caplog.text
+    torch.testing.assert_close(logp[mask], plain[mask])
+    fits = build_batch([[3, 4]] * 2, [[5, 6], [7]], pad_id=0)  # one pack of 2 + 2 + 1 tokens
+    assert trainer._packs(fits)

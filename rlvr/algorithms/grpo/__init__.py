@@ -85,19 +85,24 @@ def engine_is_weights(
     mask: torch.Tensor,
     mode: str = "tis",
     cap: float = 2.0,
+    outside: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token weights correcting the engine/trainer mismatch: rho = exp(old_logp - rollout_logp).
 
     The rollouts were drawn by the inference engine (mu), the loss assumes the trainer's
     pi_old; "tis" weights each token by min(rho, cap) (truncated importance sampling, as verl and
     OpenRLHF), "mask" keeps rho <= cap at weight 1 and drops the rest (weight 0, still counted in
-    the loss's denominator), "off" weights 1. A token the engine gave probability 1
-    (rollout_logp == 0: a stop rule's forced EOS, or a one-token nucleus) was not drawn from a
-    distribution the trainer models; it keeps weight 1 and stays out of the statistics.
+    the loss's denominator), "off" weights 1. `old_logp` must be pi_old's log-prob under the
+    distribution the engine sampled from (its top-p nucleus included), so that identical weights
+    give rho = 1. A token the engine gave probability 1 (rollout_logp == 0: a stop rule's forced
+    EOS, or a one-token nucleus) was not drawn from a distribution the trainer models; it keeps
+    weight 1 and stays out of the statistics. `outside` (`[batch, seq]` bool) marks tokens
+    sampled outside pi_old's own nucleus, weighted as if it held them (`nucleus_log_mass`).
 
     Returns detached weights `[batch, seq]` (1 outside `mask`) and 0-dim stats over the compared
-    tokens: engine_ratio_mean / engine_ratio_max (rho), engine_capped_frac (rho > cap) and
-    engine_kl, the k1 estimate of KL(mu || pi_old) = E_mu[rollout_logp - old_logp].
+    tokens: engine_ratio_mean / engine_ratio_max (rho), engine_capped_frac (rho > cap),
+    engine_kl, the k1 estimate of KL(mu || pi_old) = E_mu[rollout_logp - old_logp], and
+    engine_outside_frac (the share of `outside` tokens).
     """
     if mode not in ENGINE_IS_MODES:
         raise ValueError(f"engine importance mode must be one of {ENGINE_IS_MODES}, got {mode!r}")
@@ -122,6 +127,9 @@ def engine_is_weights(
             ),
             "engine_capped_frac": masked_mean(capped.to(old_logp.dtype), compared),
             "engine_kl": masked_mean(-log_rho, compared),
+            "engine_outside_frac": zeros.sum()
+            if outside is None
+            else masked_mean(outside.to(old_logp.dtype), compared),
             "engine_tokens": compared.sum().to(old_logp.dtype),
         }
     return weights, stats
