@@ -2,26 +2,23 @@
 
 A thin shell: it sets the process's threads and its rank's distributed environment, builds the
 trainer once and forwards calls. A run with `resources.policy_ranks: N` starts N of them in its
-placement group (`workflows.policy_group`), gloo between them on CPU, NCCL on GPUs. With Tandem on,
-every training batch must carry its authorship and only the senior's tokens enter the loss.
+placement group (`workflows.policy_group`), gloo between them on CPU, NCCL on GPUs.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
-from rlvr.algorithms.tandem import senior_loss_mask
-from rlvr.config import LoraConfig
 from rlvr.memory import pin_mmap_threshold, release_free_heap
 from rlvr.training import weight_sync
 from rlvr.training.batch import TrainBatch
 from rlvr.training.rendezvous import LAUNCHER_VARIABLES, bind_collectives
+from rlvr.training.settings import TrainerSettings
 
 
 class PolicyActor:
@@ -29,18 +26,17 @@ class PolicyActor:
         self,
         model_path: str,
         threads: int,
-        lora: dict[str, Any] | None = None,
-        tandem: bool = False,
+        settings: TrainerSettings | None = None,
         distributed: dict[str, str] | None = None,
         address: str | None = None,
         mmap_threshold_kib: int = 0,
-        **trainer_kwargs: Any,
+        **overrides: Any,
     ):
         """`distributed`: this rank's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK,
         set before DeepSpeed starts (None: a one-process group). `address`: where this rank's
         gloo / NCCL groups and, on rank 0, the weight sync's store listen (None: the groups
         choose, the store takes the node's IP). `mmap_threshold_kib`: see `pin_mmap_threshold`
-        (0: glibc's default)."""
+        (0: glibc's default). `overrides`: fields of `settings` (`TrainerSettings`)."""
         if mmap_threshold_kib:
             pin_mmap_threshold(mmap_threshold_kib << 10)
         torch.set_num_threads(threads)
@@ -52,12 +48,9 @@ class PolicyActor:
         if address is not None:
             bind_collectives(address)
         self.address = address
-        self.tandem = tandem
         from rlvr.training.policy_trainer import PolicyTrainer
 
-        self.trainer = PolicyTrainer(
-            model_path, lora=LoraConfig(**lora) if lora else None, **trainer_kwargs
-        )
+        self.trainer = PolicyTrainer(model_path, settings, **overrides)
 
     def ready(self) -> bool:
         return True
@@ -73,11 +66,7 @@ class PolicyActor:
         return self.trainer.sequence_logprobs(sequences, positions)
 
     def train_step(self, batch: TrainBatch, logprob_sums: bool = False) -> dict[str, Any]:
-        """One optimizer step; in Tandem mode on the senior's tokens only (token-mean over
-        them), raising if the batch lost its authorship (a silent fallback would be plain GRPO)."""
-        if self.tandem:
-            mask = senior_loss_mask(batch.response_mask, batch.authorship)
-            batch = replace(batch, response_mask=mask)
+        """One PPO update of the batch (`PolicyTrainer.train_step`)."""
         stats = self.trainer.train_step(batch, logprob_sums=logprob_sums)
         # Activations and logits are free now; the rank idles while the engines sample.
         release_free_heap()

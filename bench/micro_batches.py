@@ -27,6 +27,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -94,11 +95,12 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from rlvr.config import LoraConfig, load_config
+    from rlvr.config import load_config
     from rlvr.training.batch import build_batch
     from rlvr.training.policy_trainer import PolicyTrainer
     from rlvr.training.shared_prefix import packed_length, prompt_groups
     from workflows.cli import ray_env
+    from workflows.components import trainer_settings
     from workflows.train import prepare
 
     ray_env()
@@ -115,6 +117,14 @@ def main() -> None:
     real = sum(lengths)
 
     t, lora = cfg.training, cfg.model.lora
+    # the run's trainer, each setting below switching on what it measures
+    base = replace(
+        trainer_settings(cfg),
+        micro_batch_tokens=0,
+        lm_head_chunk=0,
+        shared_prefix=False,
+        gradient_checkpointing=False,
+    )
     rows = f"rows ({t.micro_batch_size} per micro-batch)"
     settings = {rows: {"micro_batch_tokens": 0}}
     settings.update({f"tokens (budget {b})": {"micro_batch_tokens": b} for b in args.budgets})
@@ -133,21 +143,7 @@ def main() -> None:
         if unknown:
             parser.error(f"--only: no setting named {unknown}; the settings are {list(settings)}")
         settings = {name: settings[name] for name in args.only}
-    trainers = {
-        name: PolicyTrainer(
-            model_dir,
-            zero_stage=t.zero_stage,
-            lora=LoraConfig(**lora.model_dump()) if lora.enabled else None,
-            lr=t.lr,
-            micro_batch_size=t.micro_batch_size,
-            dtype=cfg.model.dtype,
-            seed=cfg.run.seed,
-            temperature=cfg.generation.temperature,
-            loss_agg=t.loss_agg,
-            **extra,
-        )
-        for name, extra in settings.items()
-    }
+    trainers = {name: PolicyTrainer(model_dir, base, **extra) for name, extra in settings.items()}
     names = list(trainers)
     seconds: dict[str, list[float]] = {n: [] for n in names}
     for name in names:  # one warm-up step each (first-call allocations, thread pools)

@@ -20,6 +20,7 @@ from rlvr.algorithms import dro, duet, laconic
 from rlvr.generation.base import SamplingParams
 from rlvr.run.placement import GroupPlan, merge_bundles, plan_placement
 from rlvr.tasks.prompts import PROMPT_SLOT
+from rlvr.training.settings import LoraSettings
 from rlvr.verifiers.python import check_function
 from rlvr.verifiers.weighted import reward_name
 
@@ -62,6 +63,16 @@ class LoraConfig(Section):
         description="Adapt only the last N decoder layers; backward then stops above the frozen "
         "lower layers, which cuts the step's compute (None = every layer).",
     )
+
+    def settings(self) -> LoraSettings:
+        """The trainer's form of this section (`enabled` decides whether it is used at all)."""
+        return LoraSettings(
+            r=self.r,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            target_modules=tuple(self.target_modules),
+            top_layers=self.top_layers,
+        )
 
 
 class ModelConfig(Section):

@@ -26,6 +26,7 @@ from rlvr.config import Config, ConfigError, ResourcesConfig
 from rlvr.memory import jemalloc_active, preload_jemalloc
 from rlvr.run.placement import PlacementPlan, plan_placement
 from rlvr.training.rendezvous import LOOPBACK, run_addresses
+from rlvr.training.settings import TrainerSettings
 from workflows.generator_pool import GeneratorPool
 from workflows.policy_group import PolicyGroup, rank_environments
 from workflows.weight_sync import WeightSync, make_weight_sync
@@ -118,42 +119,50 @@ def torch_threads(cfg: Config, concurrent: int = 1) -> int:
     return cfg.resources.torch_threads or max(1, (os.cpu_count() or 1) // concurrent)
 
 
-def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
-    t, lora, dro = cfg.training, cfg.model.lora, cfg.algorithm.dro
+def trainer_settings(cfg: Config) -> TrainerSettings:
+    """The policy trainer's settings from the run's config and its method."""
+    t, lora = cfg.training, cfg.model.lora
     method = build_method(cfg)
     warmup, total = cfg.lr_schedule_steps()
+    return TrainerSettings(
+        zero_stage=t.zero_stage,
+        lora=lora.settings() if lora.enabled else None,
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        lr_schedule=t.lr_schedule,
+        warmup_steps=warmup,
+        total_steps=total,
+        min_lr_ratio=t.min_lr_ratio,
+        micro_batch_size=t.micro_batch_size,
+        micro_batch_tokens=t.micro_batch_tokens,
+        lm_head_chunk=t.lm_head_chunk,
+        shared_prefix=t.shared_prefix,
+        gradient_checkpointing=t.gradient_checkpointing,
+        loss=method.policy_loss,
+        loss_module=method.loss_module(),
+        loss_options=method.loss_options(),
+        loss_agg=t.loss_agg,
+        kl_coef=method.kl_coef(),
+        clip_low=t.clip_low,
+        clip_high=t.clip_high,
+        max_response_len=cfg.generation.max_tokens,
+        mini_batches=t.mini_batches,
+        epochs=t.epochs,
+        temperature=cfg.generation.temperature,
+        top_p=cfg.generation.top_p,
+        engine_is=t.engine_is,
+        engine_is_cap=t.engine_is_cap,
+    )
+
+
+def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
+    """A PolicyActor's arguments: the model, the trainer's settings and the process's resources."""
     return {
         "model_path": str(model_dir),
-        "zero_stage": t.zero_stage,
-        "lora": lora.model_dump() if lora.enabled else None,
-        "lr": t.lr,
-        "weight_decay": t.weight_decay,
-        "grad_clip": t.grad_clip,
-        "micro_batch_size": t.micro_batch_size,
-        "micro_batch_tokens": t.micro_batch_tokens,
-        "lm_head_chunk": t.lm_head_chunk,
-        "shared_prefix": t.shared_prefix,
-        "gradient_checkpointing": t.gradient_checkpointing,
-        "dtype": cfg.model.dtype,
-        "seed": cfg.run.seed,
-        "kl_coef": method.kl_coef(),
-        "clip_low": t.clip_low,
-        "clip_high": t.clip_high,
-        "loss_agg": t.loss_agg,
-        "temperature": cfg.generation.temperature,
-        "top_p": cfg.generation.top_p,
-        "mini_batches": t.mini_batches,
-        "epochs": t.epochs,
-        "engine_is": t.engine_is,
-        "engine_is_cap": t.engine_is_cap,
-        "lr_schedule": t.lr_schedule,
-        "warmup_steps": warmup,
-        "total_steps": total,
-        "min_lr_ratio": t.min_lr_ratio,
-        "max_response_len": cfg.generation.max_tokens,
-        "loss": method.policy_loss,
-        "rho_ent": dro.rho_ent,
-        "tandem": method.senior_tokens_only,
+        "settings": trainer_settings(cfg),
         "threads": torch_threads(cfg, cfg.resources.policy_ranks),
         "mmap_threshold_kib": cfg.resources.malloc_mmap_threshold_kib,
     }

@@ -71,7 +71,7 @@ class LiveUpdater:
             .remote(
                 str(model_dir),
                 threads=self.live.threads,
-                lora=self.live.lora.model_dump(),
+                lora=self.live.lora.settings(),
                 address=LOOPBACK,
                 zero_stage=self.live.zero_stage,
                 lr=self.live.lr,

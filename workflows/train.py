@@ -42,6 +42,7 @@ from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.tasks.sampler import PromptSampler
 from rlvr.training.batch import TrainBatch, rows_that_train
+from rlvr.training.losses import policy_loss
 from workflows.ahead import AheadCollector
 from workflows.components import Components, start_components
 from workflows.services import RunServices
@@ -82,6 +83,7 @@ class Trainer:
             self.train_problems, self.cfg.generation.prompts_per_step, self.cfg.run.seed
         )
         self.method = build_method(self.cfg)
+        self.loss = policy_loss(self.method.policy_loss, self.method.loss_module())
         self.services = RunServices(
             self.cfg,
             self.model_dir,
@@ -208,7 +210,7 @@ class Trainer:
             # DUET aborted every rollout, or DAPO found no informative group: no loss token
             log.warning("step %d: no rollout carries a loss token; the update is skipped", step)
             return {"skipped": 1, "logprob_sums": [0.0] * rows}
-        kept = rows_that_train(batch, self.cfg.training.loss_agg, method.trains_every_row)
+        kept = rows_that_train(batch, self.cfg.training.loss_agg, self.loss.counts_every_row)
         # the update takes the device (a colocated GPU) or the host memory (CPU engines)
         self.comps.generator.sleep(step)
         stats = self.comps.policy.train_step(

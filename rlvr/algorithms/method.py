@@ -126,13 +126,9 @@ class Method:
     best_metric: ClassVar[str] = "eval_accuracy"
     """Held-out metric that picks the best checkpoint (higher is better)."""
     policy_loss: ClassVar[str] = "grpo"
-    """The PolicyActor's loss ('grpo': PPO-clip surrogate; 'dro': DRO's, arXiv:2506.13351)."""
+    """The registered policy loss it trains with (`rlvr.training.losses`)."""
     needs_logprob_sums: ClassVar[bool] = False
     """Whether `observe` needs each rollout's summed trainer log-prob from the update."""
-    trains_every_row: ClassVar[bool] = False
-    """Whether the loss normaliser counts rows without loss tokens (they must reach the trainer)."""
-    senior_tokens_only: ClassVar[bool] = False
-    """Whether the PolicyActor must train only on the senior's tokens of co-written rollouts."""
     overlaps_generation: ClassVar[bool] = True
     """Whether step t+1's rollouts may be collected while step t trains (`run.off_policy_steps`):
     its `collect` needs only the fixed group size from the plan, never state `observe` updates."""
@@ -147,6 +143,16 @@ class Method:
     def kl_coef(self) -> float:
         """Coefficient of the k3 KL to the reference policy in the loss."""
         return self.cfg.training.kl_coef
+
+    def loss_options(self) -> dict[str, Any]:
+        """Options of the method's policy loss (`TrainerSettings.loss_options`)."""
+        return {}
+
+    def loss_module(self) -> str | None:
+        """The module a policy rank imports before looking `policy_loss` up: a method defined
+        outside the project registers its loss beside itself; the built-in ones need none."""
+        module = type(self).__module__
+        return None if module.split(".")[0] == "rlvr" else module
 
     def generator_settings(self, model_dir: Path) -> dict[str, Any]:
         """Extra GeneratorActor arguments the method needs (e.g. Tandem's junior)."""

@@ -52,6 +52,8 @@ class TrainBatch:
     old_entropy: torch.Tensor | None = None  # [B, T] float, entropy of pi_old (DRO's 80/20 cut)
     old_nucleus_logp: torch.Tensor | None = None  # [B, T] float, pi_old within the engine's top-p
     old_outside: torch.Tensor | None = None  # [B, T] bool, token outside pi_old's top-p nucleus
+    # The method's per-step scalars for its loss (`rlvr.training.losses.LossContext.inputs`):
+    loss_inputs: dict[str, float] | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -80,8 +82,8 @@ class TrainBatch:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
-                out[f.name] = None
+            if not isinstance(value, torch.Tensor):
+                out[f.name] = value
             elif value.dim() == 1:
                 out[f.name] = value[rows]
             else:
@@ -98,7 +100,7 @@ class TrainBatch:
         picked = {
             f.name: getattr(self, f.name)[index]
             for f in fields(self)
-            if getattr(self, f.name) is not None
+            if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **picked)
 
@@ -107,7 +109,7 @@ class TrainBatch:
         moved = {
             f.name: getattr(self, f.name).to(device)
             for f in fields(self)
-            if getattr(self, f.name) is not None
+            if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **moved)
 

@@ -12,11 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -29,8 +24,7 @@ import torch.distributed as dist
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from rlvr.algorithms import dro, grpo
-from rlvr.config import LoraConfig
+from rlvr.algorithms import grpo
 from rlvr.generation.base import scored_positions
 from rlvr.training.batch import (
     TrainBatch,
@@ -39,10 +33,13 @@ from rlvr.training.batch import (
     token_logprobs,
     token_nucleus_log_mass,
 )
+from rlvr.training.checkpoint import STATE_TAG, UNIVERSAL_TAG, saved_ranks, to_universal
 from rlvr.training.data_parallel import mini_batch_bounds, token_budget_rows
-from rlvr.training.lean_import import without_modules
+from rlvr.training.distributed import deepspeed, get_accelerator, init_distributed
 from rlvr.training.lm_head import TokenStats, head_calls_needed, loss_token_stats
-from rlvr.training.rendezvous import LOOPBACK, master_store
+from rlvr.training.losses import LossContext, StepContext, policy_loss
+from rlvr.training.schedule import LrLambda
+from rlvr.training.settings import EngineIS, LossAgg, TrainerSettings
 from rlvr.training.shared_prefix import (
     BLOCK_MASK_ATTENTION,
     longest_pack,
@@ -52,93 +49,7 @@ from rlvr.training.shared_prefix import (
 )
 from rlvr.training.weight_sync import TensorSpec
 
-# `import deepspeed` imports its autotuner, which imports mlflow whenever it is installed (the
-# `loggers` extra): 105 MiB more in every policy rank, for autotuning this project never runs.
-with without_modules("mlflow"):
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.constants import default_pg_timeout
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
 log = logging.getLogger(__name__)
-
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-LrSchedule = Literal["constant", "linear", "cosine"]
-EngineIS = Literal["off", "tis", "mask"]
-_STATE_TAG = "state"
-_UNIVERSAL_TAG = "state_universal"
-
-
-def init_distributed() -> None:
-    """Join the process group DeepSpeed needs, starting a one-process group when none is set up.
-
-    A launcher (Ray placement group, torchrun) sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-    MASTER_PORT; without them this process is rank 0 of 1 on 127.0.0.1 and a port the OS picks.
-    CPU uses gloo (DeepSpeed would pick oneCCL if its bindings were installed); GPUs use the
-    accelerator's backend (nccl).
-    """
-    skip_shared_memory_all_reduce()
-    if dist.is_initialized():
-        # Another component of this process (e.g. an in-process vLLM engine) already set up a group;
-        # DeepSpeed reuses it but still insists on the launcher's rank variables.
-        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-        os.environ.setdefault("RANK", str(dist.get_rank()))
-        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-        return
-    for key, value in (
-        ("MASTER_ADDR", LOOPBACK),
-        ("RANK", "0"),
-        ("LOCAL_RANK", "0"),
-        ("WORLD_SIZE", "1"),
-    ):
-        os.environ.setdefault(key, value)
-    accelerator = get_accelerator()
-    device_id = None
-    if accelerator.device_name() == "cpu":
-        backend = "gloo"
-    else:
-        backend = accelerator.communication_backend_name()
-        local_rank = int(os.environ["LOCAL_RANK"])
-        accelerator.set_device(local_rank)
-        if int(os.environ["WORLD_SIZE"]) > 1:
-            device_id = local_rank  # as DeepSpeed's own init binds it (eager NCCL, comm splits)
-    join_default_group(backend, device_id)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
-
-
-def join_default_group(backend: str, device_id: int | None) -> None:
-    """Start torch's default process group as the launcher's variables say, over a store that
-    rank 0 serves on MASTER_ADDR alone (torch's env:// store listens on every interface); rank 0
-    without MASTER_PORT takes a port the OS picks and records it."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    address = os.environ["MASTER_ADDR"]
-    if rank == 0:
-        store = master_store(
-            address, int(os.environ.get("MASTER_PORT", 0)), world_size, default_pg_timeout
-        )
-        os.environ["MASTER_PORT"] = str(store.port)
-    else:
-        port = int(os.environ["MASTER_PORT"])
-        store = dist.TCPStore(address, port, world_size, timeout=default_pg_timeout)
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=default_pg_timeout,
-        device_id=device_id,
-    )
-
-
-def skip_shared_memory_all_reduce() -> None:
-    """Keep DeepSpeed from JIT-building its CPU shared-memory all-reduce at init.
-
-    That op serves only inference tensor parallelism (`inference_all_reduce`), which training never
-    calls; building or loading it takes a file lock in the torch extensions folder, and a process
-    killed while holding it (a stopped run, a killed actor) leaves the lock behind, on which every
-    later DeepSpeed start then waits forever.
-    """
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 class PolicyTrainer:
@@ -191,71 +102,32 @@ class PolicyTrainer:
     """
 
     def __init__(
-        self,
-        model_path: str | Path,
-        *,
-        zero_stage: Literal[0, 1, 2, 3] = 2,
-        lora: LoraConfig | None = None,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        grad_clip: float = 1.0,
-        micro_batch_size: int = 8,
-        micro_batch_tokens: int = 0,
-        lm_head_chunk: int = 0,
-        shared_prefix: bool = False,
-        gradient_checkpointing: bool = False,
-        dtype: Literal["float32", "bfloat16"] = "float32",
-        seed: int = 0,
-        kl_coef: float = 0.0,
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
-        loss_agg: LossAgg = "token-mean",
-        max_response_len: int | None = None,
-        loss: Literal["grpo", "dro"] = "grpo",
-        rho_ent: float = dro.DEFAULT_RHO_ENT,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        mini_batches: int = 1,
-        epochs: int = 1,
-        engine_is: EngineIS = "off",
-        engine_is_cap: float = 2.0,
-        lr_schedule: LrSchedule = "constant",
-        warmup_steps: int = 0,
-        total_steps: int | None = None,
-        min_lr_ratio: float = 0.0,
+        self, model_path: str | Path, settings: TrainerSettings | None = None, **overrides: Any
     ) -> None:
-        if loss not in ("grpo", "dro"):
-            raise ValueError(f"loss must be 'grpo' or 'dro', got {loss!r}")
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if mini_batches < 1 or epochs < 1:
-            raise ValueError(f"mini_batches={mini_batches} and epochs={epochs} must be >= 1")
-        if engine_is not in grpo.ENGINE_IS_MODES:
-            raise ValueError(f"engine_is must be one of {grpo.ENGINE_IS_MODES}, got {engine_is!r}")
-        schedule = LrLambda(lr_schedule, warmup_steps, total_steps, min_lr_ratio)
+        """``settings`` (default: `TrainerSettings()`), with ``overrides`` of its fields."""
+        settings = replace(settings or TrainerSettings(), **overrides)
+        self.settings = settings
+        self.policy_loss = policy_loss(settings.loss, settings.loss_module)
+        schedule = LrLambda(
+            settings.lr_schedule, settings.warmup_steps, settings.total_steps, settings.min_lr_ratio
+        )
         init_distributed()
-        self.temperature = temperature
-        self.top_p = top_p
-        self.mini_batches = mini_batches
-        self.epochs = epochs
-        self.engine_is: EngineIS = engine_is
-        self.engine_is_cap = engine_is_cap
-        self.loss = loss
-        self.rho_ent = rho_ent
-        self.micro_batch_size = micro_batch_size
-        self.micro_batch_tokens = micro_batch_tokens
-        self.lm_head_chunk = lm_head_chunk
-        self.shared_prefix = shared_prefix
-        self.kl_coef = kl_coef
-        self.clip_low = clip_low
-        self.clip_high = clip_high
-        self.loss_agg: LossAgg = loss_agg
-        self.max_response_len = max_response_len
-        self.zero_stage = zero_stage
-        self.use_lora = lora is not None and lora.enabled
+        self.temperature = settings.temperature
+        self.top_p = settings.top_p
+        self.mini_batches = settings.mini_batches
+        self.epochs = settings.epochs
+        self.engine_is: EngineIS = settings.engine_is
+        self.engine_is_cap = settings.engine_is_cap
+        self.micro_batch_size = settings.micro_batch_size
+        self.micro_batch_tokens = settings.micro_batch_tokens
+        self.lm_head_chunk = settings.lm_head_chunk
+        self.shared_prefix = settings.shared_prefix
+        self.kl_coef = settings.kl_coef
+        self.loss_agg: LossAgg = settings.loss_agg
+        self.max_response_len = settings.max_response_len
+        self.zero_stage = zero_stage = settings.zero_stage
+        lora, seed, dtype = settings.lora, settings.seed, settings.dtype
+        self.use_lora = lora is not None
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = torch.device(get_accelerator().current_device_name())
@@ -276,7 +148,7 @@ class PolicyTrainer:
         self._pad_id: int = self.tokenizer.eos_token_id if pad is None else pad
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
         self._hf_model: PreTrainedModel = model
-        if gradient_checkpointing:
+        if settings.gradient_checkpointing:
             # Each decoder layer keeps only its input and recomputes the rest in backward: one
             # layer's activations alive at a time for one more forward. Non-reentrant, so LoRA's
             # frozen embeddings need no input grads and ZeRO-3 re-gathers during recomputation.
@@ -284,7 +156,7 @@ class PolicyTrainer:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         attention = model.config._attn_implementation
-        if shared_prefix and attention not in BLOCK_MASK_ATTENTION:
+        if self.shared_prefix and attention not in BLOCK_MASK_ATTENTION:
             log.warning(
                 "training.shared_prefix is off: the %s attention takes no block mask (%s do)",
                 attention,
@@ -294,7 +166,7 @@ class PolicyTrainer:
         self._window = sliding_window(model.config)
         self._window_warned = False
         self._ref_model: PreTrainedModel | None = None
-        if lora is not None and lora.enabled:
+        if lora is not None:
             model = peft.get_peft_model(
                 model,
                 peft.LoraConfig(
@@ -306,20 +178,22 @@ class PolicyTrainer:
                     task_type="CAUSAL_LM",
                 ),
             )
-        elif kl_coef > 0:
+        elif self.kl_coef > 0:
             ref = copy.deepcopy(model).eval().requires_grad_(False)
             self._ref_model = ref.to(self.device)
 
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(
+            trainable, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         config = {
             # Accumulation is driven per call (set_gradient_accumulation_boundary), since batches vary
             # in size; DeepSpeed only needs a consistent nominal batch.
-            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
             "gradient_accumulation_steps": 1,
-            "train_batch_size": micro_batch_size * self.world_size,
-            "gradient_clipping": grad_clip,
+            "train_batch_size": self.micro_batch_size * self.world_size,
+            "gradient_clipping": settings.grad_clip,
             "zero_optimization": {"stage": zero_stage},
             "bf16": {"enabled": dtype == "bfloat16"},
             "steps_per_print": 2**62,
@@ -499,7 +373,8 @@ class PolicyTrainer:
 
     def train_step(self, batch: TrainBatch, logprob_sums: bool = False) -> dict[str, Any]:
         """One PPO update of ``batch``: ``epochs`` x ``mini_batches`` optimizer steps of the
-        PPO-clip GRPO loss (+ ``kl_coef`` * k3 KL), or the DRO loss.
+        registered policy loss (`rlvr.training.losses`; GRPO's PPO-clip + ``kl_coef`` * k3 KL by
+        default).
 
         ``batch.advantages`` is required; ``old_logp`` defaults to the current policy before the
         update and ``ref_logp`` to `ref_logprobs` when ``kl_coef > 0``. Returns, averaged over the
@@ -509,9 +384,10 @@ class PolicyTrainer:
         in the batch it adds the engine/trainer mismatch (`grpo.engine_is_weights`: engine_ratio_mean,
         engine_ratio_max, engine_capped_frac, engine_kl), measured whatever ``engine_is`` is. With
         ``logprob_sums`` it also returns "logprob_sums": per sequence of this rank's batch, the
-        old-policy log-prob summed over its loss tokens (DUET's surrogate). The DRO loss also
-        returns "entropy_threshold", the 80/20 cut over every loss token of the batch by pi_old's
-        entropies, which every update applies, and "pg_token_frac", the share it keeps.
+        old-policy log-prob summed over its loss tokens (DUET's surrogate). A loss's step-level
+        values (DRO's "entropy_threshold", the 80/20 cut by pi_old's entropies over every loss
+        token of the batch, which every update applies) and its own statistics ("pg_token_frac")
+        are returned as well.
         """
         if batch.advantages is None:
             raise ValueError("train_step needs batch.advantages")
@@ -520,14 +396,18 @@ class PolicyTrainer:
             raise ValueError("batch has no loss tokens")
         parts = self._mini_batch_rows(len(batch))
         several = self.epochs * len(parts) > 1
-        dro_cut = self.loss == "dro"
-        if (several and batch.old_logp is None) or dro_cut:
+        loss = self.policy_loss
+        if (several and batch.old_logp is None) or loss.needs_old_entropy:
             # pi_old before the first optimizer step: the ratio's denominator for every later
-            # step, its nucleus log-probs for the engine importance weights, and (DRO) the
-            # entropies of the whole batch's 80/20 cut, which every update applies.
+            # step, its nucleus log-probs for the engine importance weights, and the entropies
+            # a loss may cut on (DRO's 80/20), the same in every update.
             self.engine.eval()
             old = self._stats_with(
-                self.engine, batch, self.temperature, dro_cut, self._nucleus_top_p(batch)
+                self.engine,
+                batch,
+                self.temperature,
+                loss.needs_old_entropy,
+                self._nucleus_top_p(batch),
             )
             batch = replace(batch, old_entropy=old.entropy)
             if batch.old_logp is None:
@@ -539,10 +419,11 @@ class PolicyTrainer:
                 )
         if self.kl_coef > 0 and batch.ref_logp is None:
             batch = replace(batch, ref_logp=self.ref_logprobs(batch))
-        threshold = None
-        if dro_cut:
-            values = self._gather(batch.old_entropy[batch.response_mask])
-            threshold = float(dro.entropy_threshold(values, self.rho_ent))
+        step_values: dict[str, float] = {}
+        if loss.prepare is not None:
+            entropy = batch.old_entropy
+            gathered = None if entropy is None else self._gather(entropy[batch.response_mask])
+            step_values = loss.prepare(StepContext(gathered, self.settings.loss_options))
 
         engine = _EngineMismatch()
         seq_logp = torch.zeros(len(batch), dtype=torch.float64)
@@ -553,7 +434,7 @@ class PolicyTrainer:
                 # The first pass sees every row once, against pi_old: the mismatch and the
                 # old-policy sums are taken there.
                 first = epoch == 0
-                stats = self._optimizer_step(part, threshold, engine if first else None)
+                stats = self._optimizer_step(part, step_values, engine if first else None)
                 row_sums = stats.pop("logprob_sums")
                 if first:
                     seq_logp[rows] = row_sums
@@ -567,8 +448,7 @@ class PolicyTrainer:
         out["tokens"] = n_tokens
         out["optimizer_steps"] = len(updates)
         out["updates"] = updates
-        if threshold is not None:
-            out["entropy_threshold"] = threshold
+        out.update(step_values)
         if batch.rollout_logp is not None:
             out.update(engine.summary(self._all_reduce))
         if logprob_sums:
@@ -586,7 +466,10 @@ class PolicyTrainer:
         return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
 
     def _optimizer_step(
-        self, batch: TrainBatch, threshold: float | None, engine: _EngineMismatch | None
+        self,
+        batch: TrainBatch,
+        step_values: dict[str, float],
+        engine: _EngineMismatch | None,
     ) -> dict[str, Any]:
         """One optimizer step over ``batch`` in micro-batches; the loss is this (global) batch's.
 
@@ -610,19 +493,14 @@ class PolicyTrainer:
 
         self.engine.train()
         lr = self.engine.get_lr()[0]
-        keys = (
-            "loss",
-            "pg_loss",
-            "kl",
-            "entropy",
+        token_means = (
             "clip_frac",
             "clip_frac_low",
             "clip_frac_high",
             "approx_kl",
+            *self.policy_loss.metrics,
         )
-        if self.loss == "dro":
-            keys += ("pg_token_frac",)
-        totals = dict.fromkeys(keys, 0.0)
+        totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", *token_means), 0.0)
         seq_logp = torch.zeros(len(batch), dtype=torch.float64)
         micro_batches = self._micro_batches(batch)
         for i, rows in enumerate(micro_batches):
@@ -659,57 +537,36 @@ class PolicyTrainer:
                     engine.add(engine_stats)
                 if self.engine_is == "off":
                     token_weights = None
-            if self.loss == "dro":
-                loss, stats = dro.dro_loss(
-                    logp,
-                    old_logp,
-                    mb.advantages,
-                    mb.response_mask,
-                    ref_logp=mb.ref_logp,
-                    entropy=mb.old_entropy,
-                    beta=self.kl_coef,
-                    clip_low=self.clip_low,
-                    clip_high=self.clip_high,
-                    rho_ent=self.rho_ent,
-                    max_len=max_len,
-                    num_sequences=n_seqs,
-                    entropy_threshold=threshold,
-                    token_weights=token_weights,
-                )
-                pg_loss = stats["pg_loss"]
-                totals["kl"] += stats["kl_loss"].item()
-                totals["pg_token_frac"] += stats["pg_token_frac"].item() * token_share
-            else:
-                pg_loss, stats = grpo.policy_loss(
-                    logp,
-                    old_logp,
-                    mb.advantages,
-                    mb.response_mask,
-                    clip_low=self.clip_low,
-                    clip_high=self.clip_high,
-                    agg=self.loss_agg,
+            loss, stats = self.policy_loss.fn(
+                LossContext(
+                    logp=logp,
+                    old_logp=old_logp,
+                    advantages=mb.advantages,
+                    mask=mb.response_mask,
                     weights=mb.weights,
-                    max_len=max_len,
                     token_weights=token_weights,
+                    ref_logp=mb.ref_logp,
+                    old_entropy=mb.old_entropy,
+                    agg=self.loss_agg,
+                    agg_share=int(agg_counts[rows].sum()) / max(n_agg, 1),
+                    num_sequences=n_seqs,
+                    max_len=max_len,
+                    clip_low=self.settings.clip_low,
+                    clip_high=self.settings.clip_high,
+                    kl_coef=self.kl_coef,
+                    options=self.settings.loss_options,
+                    step=step_values,
+                    inputs=mb.loss_inputs or {},
                 )
-                # The aggregation divides by this micro-batch's count; rescale to the global count.
-                agg_share = int(agg_counts[rows].sum()) / max(n_agg, 1)
-                pg_loss = pg_loss * agg_share
-                loss = pg_loss
-                if self.kl_coef > 0:
-                    kl = (
-                        grpo.kl_loss(logp, mb.ref_logp, mb.response_mask, self.loss_agg, max_len)
-                        * agg_share
-                    )
-                    loss = loss + self.kl_coef * kl
-                    totals["kl"] += kl.item()
+            )
             # DeepSpeed averages gradients over ranks, hence the world-size factor. Every
             # micro-batch runs backward, even one without loss tokens: ZeRO reduces on the last.
             self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
             totals["loss"] += loss.item()
-            totals["pg_loss"] += pg_loss.item()
+            totals["pg_loss"] += stats["pg_loss"].item()
+            totals["kl"] += stats["kl"].item()
             totals["entropy"] += grpo.masked_mean(entropy, mb.response_mask).item() * token_share
-            for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl"):
+            for key in token_means:
                 totals[key] += stats[key].item() * token_share
 
         pre_step_norm = self._grad_norm() if self.zero_stage == 0 else None
@@ -858,7 +715,7 @@ class PolicyTrainer:
         }
         self.engine.save_checkpoint(
             str(directory),
-            tag=_STATE_TAG,
+            tag=STATE_TAG,
             client_state=client_state,
             exclude_frozen_parameters=self.use_lora,
         )
@@ -870,13 +727,13 @@ class PolicyTrainer:
         to it) into DeepSpeed's universal checkpoint, which any rank count loads.
         """
         directory = Path(directory)
-        tag = _STATE_TAG
-        saved = len(list((directory / _STATE_TAG).glob("*zero_pp_rank_*_optim_states.pt")))
+        tag = STATE_TAG
+        saved = saved_ranks(directory)
         universal = self.zero_stage > 0 and saved not in (0, self.world_size)
         if universal:
-            tag = _UNIVERSAL_TAG
+            tag = UNIVERSAL_TAG
             if self.rank == 0 and not (directory / tag).is_dir():
-                _to_universal(directory / _STATE_TAG, directory / tag)
+                to_universal(directory / STATE_TAG, directory / tag)
             dist.barrier()
         self.engine._config.load_universal_checkpoint = universal
         try:
@@ -892,26 +749,6 @@ class PolicyTrainer:
         get_accelerator().set_rng_state(client_state["accelerator_rng"])
 
 
-def _to_universal(state: Path, out: Path) -> None:
-    """DeepSpeed's conversion of a ZeRO state into a universal checkpoint (written beside, then
-    renamed into place, so a half-written conversion is never loaded)."""
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    args = ["--input_folder", str(state), "--output_folder", str(partial)]
-    args += ["--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
-    done = subprocess.run(
-        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", *args],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"cannot convert {state} (saved by another number of policy ranks) into a universal "
-            f"checkpoint; resume with the rank count it was saved with:\n{done.stderr[-2000:]}"
-        )
-    partial.rename(out)
-
-
 def _top_layers(model: PreTrainedModel, top: int | None) -> list[int] | None:
     """Indices of the last ``top`` decoder layers, for PEFT's ``layers_to_transform``."""
     if top is None:
@@ -920,43 +757,6 @@ def _top_layers(model: PreTrainedModel, top: int | None) -> list[int] | None:
     if top > n_layers:
         raise ValueError(f"model.lora.top_layers={top} but the model has {n_layers} layers")
     return list(range(n_layers - top, n_layers))
-
-
-class LrLambda:
-    """The lr multiplier of optimizer step k (0-based): a linear warm-up to 1 over ``warmup``
-    steps, then constant, or a linear / cosine decay to ``min_ratio`` at step ``total``.
-
-    A class rather than a lambda so that DeepSpeed can pickle it with the scheduler's state.
-    """
-
-    def __init__(
-        self,
-        schedule: LrSchedule = "constant",
-        warmup: int = 0,
-        total: int | None = None,
-        min_ratio: float = 0.0,
-    ) -> None:
-        if schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"unknown lr schedule {schedule!r}")
-        if warmup < 0 or not 0.0 <= min_ratio <= 1.0:
-            raise ValueError(f"warmup={warmup} must be >= 0 and min_ratio={min_ratio} in [0, 1]")
-        if schedule != "constant" and (total is None or total <= warmup):
-            raise ValueError(
-                f"a {schedule} lr schedule needs total steps above the warm-up ({warmup}), got {total}"
-            )
-        self.schedule, self.warmup, self.total, self.min_ratio = schedule, warmup, total, min_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        if self.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - self.warmup) / (self.total - self.warmup))
-        if self.schedule == "linear":
-            decay = 1.0 - progress
-        else:
-            decay = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_ratio + (1.0 - self.min_ratio) * decay
 
 
 class _EngineMismatch:

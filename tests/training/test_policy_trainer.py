@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlvr.config import LoraConfig
 from rlvr.models.tiny import build_tiny_model
 from rlvr.training.batch import (
     TrainBatch,
@@ -25,6 +24,7 @@ from rlvr.training.batch import (
 )
 from rlvr.training.lm_head import loss_token_stats
 from rlvr.training.policy_trainer import PolicyTrainer
+from rlvr.training.settings import LoraSettings
 
 PROMPTS = [[3, 4, 5], [3, 4], [6, 7, 8, 9], [10]]
 RESPONSES = [[11, 12, 13], [14], [15, 16], [17, 18, 19, 20]]
@@ -204,7 +204,7 @@ def test_a_wrapped_lm_head_takes_the_checkpointed_chunks_with_the_same_gradients
 def test_chunked_lm_head_under_zero3_lora(model_dir):
     """ZeRO-3 gathers the decoder's and the head's weights when they run apart; LoRA's adapters
     stay in the path (and out of it for the reference log-probs)."""
-    lora = LoraConfig(enabled=True, r=4, alpha=8)
+    lora = LoraSettings(r=4, alpha=8)
     runs = []
     for chunk in (0, 2):
         trainer = make_trainer(model_dir, zero_stage=3, lora=lora, kl_coef=0.1, lm_head_chunk=chunk)
@@ -263,7 +263,7 @@ def test_zero_stages_agree_and_same_seed_is_bitwise(model_dir, stage0_run, stage
 
 
 def test_lora_trains_only_adapters_and_exports_merged_weights(model_dir, tmp_path):
-    lora = LoraConfig(enabled=True, r=4, alpha=8)
+    lora = LoraSettings(r=4, alpha=8)
     trainer = make_trainer(model_dir, zero_stage=3, lora=lora, lr=2e-2, kl_coef=0.1)
     batch = make_batch()
     base_logp = trainer.ref_logprobs(batch)
@@ -297,9 +297,7 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(model_dir, tmp_pat
     )
 
 
-@pytest.mark.parametrize(
-    "lora", [None, LoraConfig(enabled=True, r=4, alpha=8)], ids=["full", "lora"]
-)
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8)], ids=["full", "lora"])
 def test_state_round_trip_continues_bit_identically(model_dir, tmp_path, lora):
     settings = {"zero_stage": 1, "kl_coef": 0.05, "warmup_steps": 2, "lora": lora}
     first = make_trainer(model_dir, **settings)
@@ -341,7 +339,10 @@ TWO_RANK_CASES = {
     "token-mean": ({}, {}),
     "seq-mean-token-mean": ({"loss_agg": "seq-mean-token-mean", **SAMPLER}, ROLLOUTS),
     "seq-mean-token-sum-norm": ({"loss_agg": "seq-mean-token-sum-norm", **SAMPLER}, ROLLOUTS),
-    "dro": ({"loss": "dro", "rho_ent": 0.4, "max_response_len": 4, **SAMPLER}, ROLLOUTS),
+    "dro": (
+        {"loss": "dro", "loss_options": {"rho_ent": 0.4}, "max_response_len": 4, **SAMPLER},
+        ROLLOUTS,
+    ),
 }
 
 
@@ -432,7 +433,7 @@ def test_two_ranks_give_the_one_process_step(model_dir, tmp_path, case):
     [
         ({"zero_stage": 2}, True),
         ({"zero_stage": 0}, False),
-        ({"zero_stage": 2, "lora": LoraConfig(enabled=True, r=4, alpha=8)}, False),
+        ({"zero_stage": 2, "lora": LoraSettings(r=4, alpha=8)}, False),
     ],
 )
 def test_zero_on_one_rank_of_full_fine_tuning_says_it_only_costs(

@@ -37,6 +37,8 @@ def make_trainer(model_dir: Path, **kw) -> PolicyTrainer:
     # max_response_len: Dr.GRPO's constant normaliser (the generation budget in a run)
     settings = {"zero_stage": 0, "lr": 1e-3, "grad_clip": 1e6, "seed": 0, "loss": "dro"}
     settings["max_response_len"] = 4
+    if "rho_ent" in kw:
+        settings["loss_options"] = {"rho_ent": kw.pop("rho_ent")}
     return PolicyTrainer(model_dir, **{**settings, **kw})
 
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlvr.config import LoraConfig
 from rlvr.models.tiny import build_tiny_model
 from rlvr.training import policy_trainer
 from rlvr.training.batch import TrainBatch, build_batch, token_entropy, token_logprobs
 from rlvr.training.lm_head import loss_token_stats
 from rlvr.training.policy_trainer import PolicyTrainer
+from rlvr.training.settings import LoraSettings
 from rlvr.training.shared_prefix import pack_shared_prefixes, packed_length, prompt_groups
 
 # Two groups of one prompt each (three and two responses of different lengths) and a lone row.
@@ -96,7 +96,7 @@ def test_packed_train_step_equals_the_plain_one(model_dir, step_with_grads, stag
     without activation checkpointing."""
     common = {
         "zero_stage": stage,
-        "lora": LoraConfig(enabled=True, r=4, alpha=8) if lora else None,
+        "lora": LoraSettings(r=4, alpha=8) if lora else None,
         "lr": 5e-3,
         "seed": 0,
         "kl_coef": 0.1,

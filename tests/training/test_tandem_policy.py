@@ -1,6 +1,6 @@
-"""Tandem training through the actor classes (in-process, no Ray): the PolicyActor's senior-only
-update (bit-identical to GRPO at p = 1 and to GRPO with the junior's tokens masked out, loud
-without an authorship mask), and a GeneratorActor whose junior stays bit-identical over DeepSpeed
+"""Tandem training through the actor classes (in-process, no Ray): the senior-only update that
+Tandem's shaping makes of a co-written batch (bit-identical to GRPO at p = 1 and to GRPO with the
+junior's tokens masked out, loud without an authorship mask), and a GeneratorActor whose junior stays bit-identical over DeepSpeed
 steps and syncs (the vLLM engine's junior is checked in tests/generation, away from DeepSpeed:
 closing the last in-process vLLM engine tears down the process group DeepSpeed keeps using)."""
 
@@ -47,8 +47,8 @@ def _rollouts(authorships):
     return rollouts
 
 
-def _step(model_dir, batch, tandem):
-    policy = PolicyActor(str(model_dir), tandem=tandem, **POLICY)
+def _step(model_dir, batch):
+    policy = PolicyActor(str(model_dir), **POLICY)
     metrics = policy.train_step(batch)
     return metrics, policy.export_weights()
 
@@ -65,8 +65,8 @@ def test_p_one_update_is_bit_identical_to_grpo(model_dir):
     grpo_batch, _ = shape_grpo(_rollouts([None] * 4), cfg, 0)
     assert torch.equal(tandem_batch.response_mask, grpo_batch.response_mask)
     assert stats["tandem/senior_token_frac"] == 1.0
-    tandem_metrics, tandem_weights = _step(model_dir, tandem_batch, tandem=True)
-    grpo_metrics, grpo_weights = _step(model_dir, grpo_batch, tandem=False)
+    tandem_metrics, tandem_weights = _step(model_dir, tandem_batch)
+    grpo_metrics, grpo_weights = _step(model_dir, grpo_batch)
     assert tandem_metrics == grpo_metrics
     _assert_same_weights(tandem_weights, grpo_weights)
 
@@ -82,21 +82,19 @@ def test_the_update_is_grpo_on_the_senior_tokens_alone(model_dir):
         masked.response_mask[row, len(prompt) : len(prompt) + len(flags)] = torch.tensor(flags) == 1
     # Junior tokens count neither in the loss nor in the token-mean denominator.
     full, _ = shape_grpo(_rollouts([None] * 4), cfg, 0)
-    tandem_metrics, tandem_weights = _step(model_dir, batch, tandem=True)
-    masked_metrics, masked_weights = _step(model_dir, masked, tandem=False)
-    full_metrics, full_weights = _step(model_dir, full, tandem=False)
+    tandem_metrics, tandem_weights = _step(model_dir, batch)
+    masked_metrics, masked_weights = _step(model_dir, masked)
+    full_metrics, full_weights = _step(model_dir, full)
     assert tandem_metrics == masked_metrics
     assert tandem_metrics["tokens"] == 7 and full_metrics["tokens"] == 14
     _assert_same_weights(tandem_weights, masked_weights)
     assert any(not torch.equal(tandem_weights[n], full_weights[n]) for n in full_weights)
 
 
-def test_a_tandem_policy_refuses_a_batch_without_authorship(model_dir):
+def test_tandem_shaping_refuses_rollouts_without_authorship():
+    """The senior's mask is made once, in Tandem's shaping; rollouts that lost their authorship
+    stop the step there instead of training as plain GRPO."""
     cfg = Config()
-    batch, _ = shape_grpo(_rollouts([None] * 4), cfg, 0)
-    policy = PolicyActor(str(model_dir), tandem=True, **POLICY)
-    with pytest.raises(ValueError, match="no authorship mask arrived"):
-        policy.train_step(batch)
     with pytest.raises(ValueError, match="carry no authorship"):
         shape_tandem(_rollouts([None] * 4), cfg, 0)
 
@@ -123,7 +121,7 @@ def test_the_hf_generators_junior_stays_bit_identical_over_steps_and_syncs(model
     generator = GeneratorActor(
         "hf", str(model_dir), threads=1, tandem={"junior_path": str(model_dir), "p": 0.5, "cap": 8}
     )
-    policy = PolicyActor(str(model_dir), tandem=True, **POLICY)
+    policy = PolicyActor(str(model_dir), **POLICY)
     _train_and_sync(generator, policy, steps=3)
     base = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
     junior = dict(generator.backend.junior.named_parameters())

@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-from rlvr.config import LoraConfig
 from rlvr.models.tiny import build_tiny_model
 from rlvr.training import weight_sync
 from rlvr.training.policy_trainer import PolicyTrainer
+from rlvr.training.settings import LoraSettings
 from rlvr.training.weight_sync import Bucket, TensorSpec, pack, plan_buckets, unpack
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -150,7 +150,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize(
     ("zero_stage", "lora"),
-    [(0, None), (3, LoraConfig(enabled=True, r=4, alpha=8))],
+    [(0, None), (3, LoraSettings(r=4, alpha=8))],
     ids=["full-zero0", "lora-zero3"],
 )
 def test_streamed_export_follows_the_manifest(model_dir, zero_stage, lora):

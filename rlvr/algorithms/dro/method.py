@@ -107,11 +107,9 @@ class Dro(Method):
 
     best_metric = "eval_r3"
     policy_loss = "dro"
-    trains_every_row = True
     overlaps_generation = False  # R3 may be read through the policy, which is training then
 
     def __init__(self, cfg: Config) -> None:
-
         super().__init__(cfg)
         self.settings = cfg.algorithm.dro
         self.reference: ReferenceModel | None = None
@@ -122,6 +120,9 @@ class Dro(Method):
 
     def kl_coef(self) -> float:
         return self.settings.beta
+
+    def loss_options(self) -> dict[str, Any]:
+        return {"rho_ent": self.settings.rho_ent}
 
     def start(self, run: StepServices) -> None:
         """Start the reference model's worker, load (or write) the training queries' rubrics,

@@ -22,7 +22,6 @@ class Tandem(Method):
     the accuracy of tandem rollouts (Sec. 5.1)."""
 
     best_metric = "eval_tandem_accuracy"
-    senior_tokens_only = True
 
     def generator_settings(self, model_dir: Path) -> dict[str, Any]:
 
