@@ -631,7 +631,7 @@ class AlgorithmConfig(Section):
 
     @model_validator(mode="after")
     def _known_method(self) -> AlgorithmConfig:
-        from rlvr.algorithms.method import registered
+        from rlvr.methods.base import registered
 
         if self.name not in registered():
             raise ValueError(
@@ -1104,7 +1104,7 @@ class Config(Section):
         return self
 
     def _check_off_policy(self) -> None:
-        from rlvr.algorithms.method import method_class
+        from rlvr.methods.base import method_class
 
         if not method_class(self.algorithm.name).overlaps_generation:
             raise ValueError(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.algorithms.method import Collected
 from rlvr.config import ConfigError, load_config
+from rlvr.methods.base import Collected
 from rlvr.tasks import Problem
 from workflows.ahead import AHEAD_FILE, AheadCollector
 

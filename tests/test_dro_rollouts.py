@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from rlvr.algorithms import dro
-from rlvr.algorithms.dro.rollouts import (
+from rlvr.config import DroConfig
+from rlvr.methods.dro.rollouts import (
     DroTokens,
     RejectionTally,
     dro_batch,
@@ -16,7 +17,6 @@ from rlvr.algorithms.dro.rollouts import (
     scoring_inputs,
     step_metrics,
 )
-from rlvr.config import DroConfig
 from rlvr.models.tiny import build_tiny_model
 from rlvr.tasks.base import Problem
 from rlvr.training.rollouts import Rollouts

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlvr.algorithms.method import build_method
 from rlvr.algorithms.tandem import SwitchCounters
-from rlvr.algorithms.tandem.rollouts import junior_dir, shape_tandem
 from rlvr.config import Config, ConfigError, config_from_dict, load_config
 from rlvr.generation.tandem_support import counters_to_dict
+from rlvr.methods.base import build_method
+from rlvr.methods.tandem.shaping import junior_dir, shape_tandem
 from rlvr.models.tiny import build_tiny_model
 from rlvr.training.rollouts import Rollouts
 

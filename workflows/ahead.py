@@ -13,8 +13,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlvr.algorithms.method import Collected, Method, StepServices
 from rlvr.generation.base import SamplingParams
+from rlvr.methods.base import Collected, Method, StepServices
 from rlvr.tasks.base import Problem
 
 AHEAD_FILE = "ahead.pkl"

@@ -21,9 +21,9 @@ from actors.controller import NAMESPACE, ControllerActor, controller_name
 from actors.generator import GeneratorActor
 from actors.policy import PolicyActor
 from actors.verifier import VerifierActor, VerifierPool
-from rlvr.algorithms.method import build_method
 from rlvr.config import Config, ConfigError, ResourcesConfig
 from rlvr.memory import jemalloc_active, preload_jemalloc
+from rlvr.methods.base import build_method
 from rlvr.run.placement import PlacementPlan, plan_placement
 from rlvr.training.rendezvous import LOOPBACK, run_addresses
 from rlvr.training.settings import TrainerSettings

@@ -18,17 +18,17 @@ import numpy as np
 import torch
 
 from rlvr.algorithms import dro
-from rlvr.algorithms.dro.method import ensure_rubrics, rubric_cache_path
-from rlvr.algorithms.dro.rollouts import (
+from rlvr.algorithms.groups import group_rows
+from rlvr.config import Config
+from rlvr.generation import make_backend
+from rlvr.generation.base import GenerationRequest
+from rlvr.methods.dro.method import ensure_rubrics, rubric_cache_path
+from rlvr.methods.dro.rollouts import (
     DroTokens,
     reference_ids,
     reference_text,
     scoring_inputs,
 )
-from rlvr.algorithms.groups import group_rows
-from rlvr.config import Config
-from rlvr.generation import make_backend
-from rlvr.generation.base import GenerationRequest
 from rlvr.run.files import atomic_write_text
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt

@@ -17,9 +17,9 @@ import ray
 
 from actors.controller import NAMESPACE
 from actors.reference import ReferenceActor
-from rlvr.algorithms.method import ReferenceModel
 from rlvr.config import Config
 from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.methods.base import ReferenceModel
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.tasks.sampler import PromptSampler

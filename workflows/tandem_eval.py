@@ -402,7 +402,7 @@ def run_tandem_eval(
         if junior is not None:
             junior_dir = resolve_model_path(junior, seed=cfg.model.seed)
         else:
-            from rlvr.algorithms.tandem.rollouts import junior_dir as run_junior
+            from rlvr.methods.tandem.shaping import junior_dir as run_junior
 
             junior_dir = run_junior(cfg, base_dir)
     except (FileNotFoundError, ValueError) as err:

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from rlvr.algorithms.method import build_method, method_class, timed
 from rlvr.config import (
     Config,
     ConfigError,
@@ -31,6 +30,7 @@ from rlvr.config import (
     config_from_dict,
 )
 from rlvr.generation.base import SamplingParams
+from rlvr.methods.base import build_method, method_class, timed
 from rlvr.models import cache_dir, resolve_model_path
 from rlvr.models.sft import sft_warmup
 from rlvr.run.files import atomic_write_text
@@ -66,7 +66,7 @@ def best_metric(cfg: Config) -> str:
 @dataclass
 class Trainer:
     """Drives the step loop for one run directory; `cfg.algorithm.name` picks the method whose
-    hooks the loop calls (`rlvr.algorithms.method.Method`)."""
+    hooks the loop calls (`rlvr.methods.base.Method`)."""
 
     cfg: Config
     run: RunDir

@@ -1,7 +1,7 @@
 """A step's rollouts as flat arrays: one row per sampled response, grouped by prompt.
 
 Flattening happens once, right after generation; scoring fills `rewards`, and a method's shaping
-(`rlvr.algorithms.grpo.shaping`, `rlvr.algorithms.duet.shaping`, ...) turns them into the padded
+(`rlvr.methods.grpo.shaping`, `rlvr.methods.duet.shaping`, ...) turns them into the padded
 `TrainBatch`.
 """
 

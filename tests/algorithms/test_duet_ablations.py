@@ -11,8 +11,8 @@ import pytest
 
 from rlvr.algorithms.duet import fixed_count
 from rlvr.algorithms.duet.control import DuetController
-from rlvr.algorithms.duet.shaping import shape_duet
 from rlvr.config import ConfigError, load_config
+from rlvr.methods.duet.shaping import shape_duet
 from rlvr.training.rollouts import Rollouts
 
 # The step-0 data of test_duet_control: after it, prompt a has sigma sqrt(29), L_hat 25.

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from rlvr.algorithms.duet.control import DuetController, step_metrics
-from rlvr.algorithms.duet.shaping import shape_duet
 from rlvr.config import ConfigError, load_config
+from rlvr.methods.duet.shaping import shape_duet
 from rlvr.run.controller import StepOrderError, TrainingController
 from rlvr.training.rollouts import Rollouts
 

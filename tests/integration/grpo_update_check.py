@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlvr.algorithms.grpo.shaping import shape_grpo
 from rlvr.config import load_config
 from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.methods.grpo.shaping import shape_grpo
 from rlvr.tasks import load_task
 from rlvr.tasks.prompts import render_prompt
 from rlvr.training.rollouts import Rollouts

@@ -67,7 +67,7 @@ def test_rubrics_for_the_retained_dataset(filtered, tiny_config, tmp_path):
     args = ["rubrics", "--config", str(tiny_config.parent / "tiny-dro.yaml"), *cfg_args]
     assert cli_main(args) == 0
     cfg = load_config(tiny_config.parent / "tiny-dro.yaml", [a[6:] for a in cfg_args])
-    from rlvr.algorithms.dro.method import rubric_cache_path
+    from rlvr.methods.dro.method import rubric_cache_path
     from workflows.train import prepare
 
     model_dir, train, _ = prepare(cfg)

@@ -11,9 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlvr.algorithms import dro
-from rlvr.algorithms.dro.rollouts import scoring_inputs
 from rlvr.config import load_config
 from rlvr.generation import make_backend
+from rlvr.methods.dro.rollouts import scoring_inputs
 from rlvr.run.rundir import RunDir
 from workflows.components import policy_kwargs, start_components
 from workflows.train import Trainer, best_metric, prepare

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from rlvr.algorithms.method import Method, StepServices, register
 from rlvr.config import ConfigError, load_config
 from rlvr.generation.base import SamplingParams
+from rlvr.methods.base import Method, StepServices, register
 from rlvr.run.rundir import RunDir
 from rlvr.tasks.base import Problem
 from rlvr.training.rollouts import Rollouts

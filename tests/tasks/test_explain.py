@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from rlvr.algorithms.dro.rollouts import reference_text
 from rlvr.config import TaskConfig
+from rlvr.methods.dro.rollouts import reference_text
 from rlvr.tasks import load_task
 from rlvr.tasks.explain import ANSWER_DELIMITER, ExplainTask
 from rlvr.tasks.loaders import load_problems, load_reference_problems

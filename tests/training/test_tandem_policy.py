@@ -11,12 +11,12 @@ from transformers import AutoModelForCausalLM
 
 from actors.generator import GeneratorActor
 from actors.policy import PolicyActor
-from rlvr.algorithms.grpo.shaping import shape_grpo
 from rlvr.algorithms.tandem import SwitchCounters
-from rlvr.algorithms.tandem.rollouts import shape_tandem
 from rlvr.config import Config
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.generation.tandem_support import counters_to_dict
+from rlvr.methods.grpo.shaping import shape_grpo
+from rlvr.methods.tandem.shaping import shape_tandem
 from rlvr.models.tiny import build_tiny_model
 from rlvr.training.rollouts import Rollouts
 

@@ -14,7 +14,11 @@ from typing import Any
 import numpy as np
 
 from rlvr.algorithms import dro
-from rlvr.algorithms.dro.rollouts import (
+from rlvr.algorithms.groups import group_rows
+from rlvr.config import Config
+from rlvr.generation.base import SamplingParams
+from rlvr.methods.base import Method, ReferenceModel, StepServices, register
+from rlvr.methods.dro.rollouts import (
     DroTokens,
     RejectionTally,
     dro_batch,
@@ -24,10 +28,6 @@ from rlvr.algorithms.dro.rollouts import (
     scoring_inputs,
     step_metrics,
 )
-from rlvr.algorithms.groups import group_rows
-from rlvr.algorithms.method import Method, ReferenceModel, StepServices, register
-from rlvr.config import Config
-from rlvr.generation.base import SamplingParams
 from rlvr.models import cache_dir
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import prompt_messages

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlvr.algorithms.duet import control as duet_control
-from rlvr.algorithms.duet.shaping import shape_duet
-from rlvr.algorithms.method import Method, StepServices, register, timed
+from rlvr.methods.base import Method, StepServices, register, timed
+from rlvr.methods.duet.shaping import shape_duet
 from rlvr.training.batch import TrainBatch
 from rlvr.training.rollouts import Rollouts
 

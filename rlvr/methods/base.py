@@ -8,9 +8,10 @@ overrides the hooks it changes and inherits GRPO's for the rest. Hooks reach the
 only through `StepServices`, which the workflow implements over the actors, so this module and
 every method stay free of Ray.
 
-A new method is one package under `rlvr/algorithms/` holding its equations, its shaping and a
-`Method` subclass decorated with `@register("name")` (docs/methods.md, "Adding a method");
-`tests/integration/test_method_registry.py` runs a toy one through the actors.
+A method is one package under `rlvr/methods/` holding its hooks, its shaping and a `Method`
+subclass decorated with `@register("name")`; its paper's equations live below, in
+`rlvr/algorithms/` (docs/methods.md, "Adding a method"). `tests/integration/test_method_registry.py`
+runs a toy one through the actors.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class Method:
         self, run: StepServices, rollouts: Rollouts, plan: dict[str, Any], step: int
     ) -> tuple[TrainBatch, dict[str, Any]]:
         """The training batch (advantages on response tokens) and shaping metrics."""
-        from rlvr.algorithms.grpo.shaping import shape_grpo
+        from rlvr.methods.grpo.shaping import shape_grpo
 
         return shape_grpo(rollouts, self.cfg, pad_id=run.tokenizer.pad_token_id)
 
@@ -257,13 +258,13 @@ def registered() -> list[str]:
 
 
 BUILTIN_METHODS = ("laconic", "duet", "dro", "tandem", "dapo")
-"""Packages under rlvr/algorithms/ whose `method` module registers a built-in method."""
+"""Packages under rlvr/methods/ that register a built-in method when imported."""
 
 
 def _import_builtin_methods() -> None:
-    """Import the built-in methods' modules (each registers itself); cheap after the first call."""
+    """Import the built-in methods' packages (each registers itself); cheap after the first call."""
     for name in BUILTIN_METHODS:
-        importlib.import_module(f"rlvr.algorithms.{name}.method")
+        importlib.import_module(f"rlvr.methods.{name}")
 
 
 class timed:

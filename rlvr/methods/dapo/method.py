@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlvr.algorithms import dapo
-from rlvr.algorithms.method import Collected, Method, StepServices, register, timed
 from rlvr.generation.base import SamplingParams
+from rlvr.methods.base import Collected, Method, StepServices, register, timed
 from rlvr.tasks.base import Problem
 from rlvr.training.rollouts import Rollouts
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlvr.algorithms.grpo.shaping import shape_grpo
 from rlvr.algorithms.tandem import authorship_matrix, schedule_metrics, senior_loss_mask
 from rlvr.config import Config, ConfigError, check_model_for_backend
 from rlvr.generation.tandem_support import check_same_tokenizer, counters_from_flags
+from rlvr.methods.grpo.shaping import shape_grpo
 from rlvr.models import resolve_model_path
 from rlvr.training.batch import TrainBatch
 from rlvr.training.rollouts import Rollouts

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 
 from rlvr.algorithms import laconic
-from rlvr.algorithms.grpo.shaping import shape_grpo
-from rlvr.algorithms.method import Method, StepServices, register
+from rlvr.methods.base import Method, StepServices, register
+from rlvr.methods.grpo.shaping import shape_grpo
 from rlvr.training.batch import TrainBatch
 from rlvr.training.rollouts import Rollouts
 

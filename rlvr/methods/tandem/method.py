@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from rlvr.algorithms.method import Method, StepServices, register
-from rlvr.algorithms.tandem.rollouts import junior_dir, shape_tandem
 from rlvr.generation.base import SamplingParams
+from rlvr.methods.base import Method, StepServices, register
+from rlvr.methods.tandem.shaping import junior_dir, shape_tandem
 from rlvr.tasks.base import Problem
 from rlvr.training.batch import TrainBatch
 from rlvr.training.rollouts import Rollouts
