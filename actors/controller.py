@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlvr.methods.state import ControllerState
 from rlvr.run.controller import TrainingController
 from rlvr.serving.streams import CSAStreamHost, StreamSpec
 
@@ -22,33 +23,18 @@ class ControllerActor:
     def __init__(
         self,
         group_size: int,
-        laconic: dict[str, float] | None = None,
-        duet: dict[str, Any] | None = None,
+        method: ControllerState | None = None,
         csa_dir: str | None = None,
     ):
-        self.state = TrainingController.build(group_size, laconic, duet)
+        self.state = TrainingController(group_size, method=method)
         # Served CSA streams, restored from csa_dir on every (re)start of this actor.
         self.csa = CSAStreamHost(csa_dir) if csa_dir else None
 
     def plan_step(self, step: int, prompt_ids: list[str]) -> dict[str, Any]:
         return self.state.plan_step(step, prompt_ids)
 
-    def update_length_dual(self, step: int, mean_length: float) -> float:
-        return self.state.update_length_dual(step, mean_length)
-
-    def update_duet_state(
-        self,
-        step: int,
-        prompt_ids: list[str],
-        advantages: list[float],
-        logprob_sums: list[float],
-        lengths: list[int],
-        kept: list[bool],
-        epoch_end: bool = False,
-    ) -> dict[str, Any]:
-        return self.state.update_duet_state(
-            step, prompt_ids, advantages, logprob_sums, lengths, kept, epoch_end
-        )
+    def update_method_state(self, step: int, **observation: Any) -> Any:
+        return self.state.update_method_state(step, **observation)
 
     def observe_step(
         self,

@@ -51,6 +51,7 @@ from typing import Any
 import yaml
 
 from rlvr.config import Config, load_config
+from rlvr.methods.duet.config import duet_stop
 from rlvr.run.rundir import RunDir
 from workflows.cli import ray_env
 
@@ -283,7 +284,7 @@ def abort_probe(trainer: Any, last: dict[str, Any], step: int) -> dict[str, floa
 
     cfg = trainer.cfg
     problems = trainer.test_problems[:PROBE_PROMPTS]
-    stop = cfg.duet_stop(last["duet_k1"], last["duet_k2"], step) if "duet_k1" in last else None
+    stop = duet_stop(cfg, last["duet_k1"], last["duet_k2"], step) if "duet_k1" in last else None
     if stop is not None:
         stop["eps_abort"] = 1.0
     rollouts = trainer.services.generate(

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from rlvr.answers import last_boxed
 from rlvr.config import load_config
 from rlvr.models.sft import MARKER, boxed_answer_matches, completions
 from rlvr.tasks.base import Problem
-from rlvr.verifiers.extract import last_boxed
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,14 +5,22 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.config import ConfigError, check_model_for_backend, config_from_dict, load_config
-from rlvr.run.placement import plan_placement
+from rlvr.config import ConfigError, config_from_dict, load_config
+from rlvr.methods.base import build_method
+from rlvr.methods.laconic.config import laconic_dual
+from rlvr.models.checks import check_model_dir
+from rlvr.run.placement import check_cluster, check_cpus, plan_placement
 from rlvr.serving.config import load_serve_config
 from rlvr.tasks import load_task
 
 TRAIN_CONFIGS = sorted(
     p for p in (Path(__file__).parent.parent / "configs").glob("*.yaml") if "serve" not in p.name
 )
+
+
+def check_model(cfg, model_dir: Path) -> None:
+    """The model-directory check a run (or `rlvr serve`) makes of its config's model."""
+    check_model_dir(model_dir, cfg.generation.max_model_len, cfg.vllm_on_cpu())
 
 
 def test_defaults_validate():
@@ -113,31 +121,31 @@ def test_head_size_rejected_for_vllm_on_cpu_only(tmp_path):
     )
     for cfg in (load_config(), load_serve_config()):
         with pytest.raises(ConfigError, match=r"model\.path: head size 48 .* CPU kernels"):
-            check_model_for_backend(cfg, tmp_path)
-    check_model_for_backend(load_config(None, ["generation.backend=hf"]), tmp_path)
-    check_model_for_backend(load_serve_config(None, ["generation.backend=hf"]), tmp_path)
-    check_model_for_backend(load_config(None, ["resources.generator_gpus=1"]), tmp_path)
+            check_model(cfg, tmp_path)
+    check_model(load_config(None, ["generation.backend=hf"]), tmp_path)
+    check_model(load_serve_config(None, ["generation.backend=hf"]), tmp_path)
+    check_model(load_config(None, ["resources.generator_gpus=1"]), tmp_path)
 
 
 def test_a_nested_text_config_is_checked_and_a_missing_size_is_left_to_the_engine(tmp_path):
     nested = {"text_config": {"hidden_size": 96, "num_attention_heads": 2}}
     (tmp_path / "config.json").write_text(json.dumps(nested))
     with pytest.raises(ConfigError, match=r"model\.path: head size 48"):
-        check_model_for_backend(load_config(), tmp_path)
+        check_model(load_config(), tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "custom"}))
-    check_model_for_backend(load_config(), tmp_path)
+    check_model(load_config(), tmp_path)
 
 
 def test_not_a_model_dir(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
-        check_model_for_backend(load_config(), tmp_path)
+        check_model(load_config(), tmp_path)
 
 
 def test_more_actor_cpus_than_available():
     cfg = load_config(None, ["resources.num_verifiers=4", "resources.verifier_cpus=0.5"])
     with pytest.raises(ConfigError, match=r"resources: the actors need 4 CPUs but 2 are available"):
-        cfg.check_cpus(2)
-    load_config().check_cpus(2)
+        check_cpus(cfg, 2)
+    check_cpus(load_config(), 2)
 
 
 @pytest.mark.parametrize(
@@ -180,18 +188,18 @@ def test_more_actor_cpus_than_available():
 )
 def test_layouts_that_cannot_fit_fail_naming_the_keys(overrides, nodes, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, overrides).check_cluster(nodes)
+        check_cluster(load_config(None, overrides), nodes)
 
 
 def test_layouts_that_fit():
     spread = ["resources.policy_ranks=2", "resources.placement_strategy=STRICT_SPREAD"]
-    load_config(None, spread).check_cluster([{"CPU": 1}] * 3)
+    check_cluster(load_config(None, spread), [{"CPU": 1}] * 3)
     roles = [
         "resources.policy_resources={rlvr_train: 1}",
         "resources.generator_resources={rlvr_rollout: 1}",
     ]
-    load_config(None, roles).check_cluster(
-        [{"CPU": 2, "rlvr_train": 1}, {"CPU": 2, "rlvr_rollout": 1}]
+    check_cluster(
+        load_config(None, roles), [{"CPU": 2, "rlvr_train": 1}, {"CPU": 2, "rlvr_rollout": 1}]
     )
 
 
@@ -199,14 +207,14 @@ def test_gpu_presets_fit_the_clusters_they_name():
     """The one-node presets fill one 8-GPU node; the two-node preset needs a node per role."""
     configs = Path(__file__).parent.parent / "configs"
     node = {"CPU": 32, "GPU": 8}
-    load_config(configs / "smollm2-gpu-node.yaml").check_cluster([node])
+    check_cluster(load_config(configs / "smollm2-gpu-node.yaml"), [node])
     colocated = load_config(configs / "smollm2-gpu-colocated.yaml")
-    colocated.check_cluster([node])
+    check_cluster(colocated, [node])
     assert plan_placement(colocated.resources).groups[0].bundles[0]["GPU"] == 1.0
     two = load_config(configs / "smollm2-gpu-2nodes.yaml")
-    two.check_cluster([{**node, "rlvr_train": 8}, {**node, "rlvr_rollout": 8}])
+    check_cluster(two, [{**node, "rlvr_train": 8}, {**node, "rlvr_rollout": 8}])
     with pytest.raises(ConfigError, match="rlvr_rollout"):
-        two.check_cluster([{"CPU": 64, "GPU": 16, "rlvr_train": 8}])
+        check_cluster(two, [{"CPU": 64, "GPU": 16, "rlvr_train": 8}])
 
 
 def test_placement_plans():
@@ -233,7 +241,7 @@ def test_placement_plans():
     assert plan.groups[0].bundles == ({"CPU": 2.0, "GPU": 1.0},) * 2
     assert plan.policy == plan.generator == ((0, 0), (0, 1))
     assert colocated.resources.engines_sleep
-    colocated.check_cluster([{"CPU": 4, "GPU": 2}])
+    check_cluster(colocated, [{"CPU": 4, "GPU": 2}])
 
 
 @pytest.mark.parametrize(
@@ -277,8 +285,8 @@ def test_laconic_defaults_and_dual_kwargs():
     cfg = load_config(None, ["algorithm.name=laconic", "algorithm.laconic.budget=64"])
     lc = cfg.algorithm.laconic
     assert (lc.eta, lc.lam_max, lc.lam_init, lc.cost) == (0.002, 0.3, 0.0, "hinge")
-    assert cfg.laconic_dual() == {"budget": 64, "eta": 0.002, "lam_max": 0.3, "lam": 0.0}
-    assert load_config(None, []).laconic_dual() is None
+    assert laconic_dual(cfg) == {"budget": 64, "eta": 0.002, "lam_max": 0.3, "lam": 0.0}
+    assert build_method(load_config(None, [])).controller_state() is None
 
 
 @pytest.mark.parametrize(
@@ -289,9 +297,9 @@ def test_laconic_defaults_and_dual_kwargs():
             ["algorithm.name=laconic", "algorithm.laconic.budget=256"],
             "algorithm.laconic.budget",
         ),
-        (["algorithm.laconic.budget=0"], "algorithm.laconic.budget"),
-        (["algorithm.laconic.lam_max=-1"], "algorithm.laconic"),
-        (["algorithm.laconic.cost=square"], "algorithm.laconic.cost"),
+        (["algorithm.name=laconic", "algorithm.laconic.budget=0"], "algorithm.laconic.budget"),
+        (["algorithm.name=laconic", "algorithm.laconic.lam_max=-1"], "algorithm.laconic"),
+        (["algorithm.name=laconic", "algorithm.laconic.cost=square"], "algorithm.laconic.cost"),
     ],
 )
 def test_laconic_bad_values_name_the_key(overrides, key):
@@ -305,13 +313,13 @@ def test_laconic_warns_above_the_safe_ceiling_and_auto_resolves_to_it():
     with pytest.warns(UserWarning, match="safe ceiling"):  # 200 / (256 - 200) = 3.57 is safe...
         load_config(None, [*on, "algorithm.laconic.lam_max=5"])  # ...but 5 is not
     cfg = load_config(None, [*on, "algorithm.laconic.lam_max=auto"])
-    assert cfg.laconic_dual()["lam_max"] == pytest.approx(200 / 56)
+    assert laconic_dual(cfg)["lam_max"] == pytest.approx(200 / 56)
 
 
 def test_tensor_parallel_engines_refuse_in_engine_state():
     load_config("configs/tiny.yaml", ["resources.generator_tp=2"])
     for preset in ("configs/tiny-duet.yaml", "configs/tiny-tandem.yaml"):
-        with pytest.raises(ConfigError, match="generator_tp > 1 cannot run DUET"):
+        with pytest.raises(ConfigError, match="generator_tp > 1 cannot run (duet|tandem)"):
             load_config(preset, ["resources.generator_tp=2"])
     with pytest.raises(ConfigError, match="generator_gpus=1 must equal resources.generator_tp=2"):
         load_config(None, ["resources.generator_tp=2", "resources.generator_gpus=1"])

@@ -51,24 +51,24 @@ def test_state_dict_round_trip_is_json_and_exact():
 
 
 def test_laconic_dual_is_read_at_plan_and_stepped_once_per_step():
-    from rlvr.algorithms.laconic import DualState
+    from rlvr.methods.laconic.state import LaconicState
 
-    c = TrainingController(group_size=2, laconic=DualState(budget=100, eta=0.1, lam_max=0.3))
+    c = TrainingController(group_size=2, method=LaconicState(budget=100, eta=0.1, lam_max=0.3))
     assert c.plan_step(0, ["a"])["laconic_lambda"] == 0.0
-    assert c.update_length_dual(0, 150.0) == pytest.approx(0.05)
-    assert c.update_length_dual(0, 999.0) == pytest.approx(0.05)  # a retry changes nothing
+    assert c.update_method_state(0, mean_length=150.0) == pytest.approx(0.05)
+    assert c.update_method_state(0, mean_length=999.0) == pytest.approx(0.05)  # a retry
     assert (
         c.plan_step(0, ["a"])["laconic_lambda"] == 0.0
     )  # a retried plan sees the step's own value
     c.observe_step(0, {"a": [1.0, 0.0]}, {})
     assert c.plan_step(1, ["a"])["laconic_lambda"] == pytest.approx(0.05)
-    c.update_length_dual(1, 50.0)  # below budget: decays and clips at 0
-    assert c.laconic.lam == 0.0
+    c.update_method_state(1, mean_length=50.0)  # below budget: decays and clips at 0
+    assert c.method.dual.lam == 0.0
     with pytest.raises(ValueError):
-        c.update_length_dual(3, 100.0)  # a skipped step
+        c.update_method_state(3, mean_length=100.0)  # a skipped step
 
-    restored = TrainingController(group_size=2, laconic=DualState(budget=100))
+    restored = TrainingController(group_size=2, method=LaconicState(budget=100))
     restored.load_state_dict(json.loads(json.dumps(c.state_dict())))
-    assert restored.laconic.state_dict() == c.laconic.state_dict()
-    with pytest.raises(ValueError, match="LACONIC"):
+    assert restored.method.state_dict() == c.method.state_dict()
+    with pytest.raises(ValueError, match="whether the method keeps state"):
         TrainingController(group_size=2).load_state_dict(c.state_dict())

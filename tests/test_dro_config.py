@@ -26,13 +26,25 @@ def test_defaults():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["algorithm.dro.omgea=1"], "algorithm.dro.omgea: unknown key"),
-        (["algorithm.dro.reward=rouge"], "algorithm.dro.reward"),
-        (["algorithm.dro.clip_low=0.9"], "clip_low=0.9 must be <= clip_high=0.85"),
-        (["algorithm.dro.rho_ent=0"], "algorithm.dro.rho_ent"),
-        (["algorithm.dro.delimiter="], "gates judge the final answer after the delimiter"),
-        (["algorithm.dro.judge=keyword", "algorithm.dro.scorer=reference"], "needs the reference"),
-        (["algorithm.dro.filter.retention=0.05"], "retention=0.05 must be >= query_frac=0.1"),
+        (["algorithm.name=dro", "algorithm.dro.omgea=1"], "algorithm.dro.omgea: unknown key"),
+        (["algorithm.name=dro", "algorithm.dro.reward=rouge"], "algorithm.dro.reward"),
+        (
+            ["algorithm.name=dro", "algorithm.dro.clip_low=0.9"],
+            "clip_low=0.9 must be <= clip_high=0.85",
+        ),
+        (["algorithm.name=dro", "algorithm.dro.rho_ent=0"], "algorithm.dro.rho_ent"),
+        (
+            ["algorithm.name=dro", "algorithm.dro.delimiter="],
+            "gates judge the final answer after the delimiter",
+        ),
+        (
+            ["algorithm.name=dro", "algorithm.dro.judge=keyword", "algorithm.dro.scorer=reference"],
+            "needs the reference",
+        ),
+        (
+            ["algorithm.name=dro", "algorithm.dro.filter.retention=0.05"],
+            "retention=0.05 must be >= query_frac=0.1",
+        ),
         (["algorithm.name=dro", "training.kl_coef=0.1"], "algorithm.dro.beta"),
         (
             ["algorithm.name=dro", "algorithm.dro.reward=verifier"],

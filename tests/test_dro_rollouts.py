@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rlvr.algorithms import dro
-from rlvr.config import DroConfig
+from rlvr.methods.dro.config import DroConfig
 from rlvr.methods.dro.rollouts import (
     DroTokens,
     RejectionTally,

@@ -1,6 +1,6 @@
 """Durable whole-file writes: the new content replaces the old and no temp file is left behind."""
 
-from rlvr.run.files import atomic_write_text
+from rlvr.files import atomic_write_text
 
 
 def test_atomic_write_text_replaces_and_leaves_no_temp_file(tmp_path):

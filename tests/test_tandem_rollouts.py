@@ -13,13 +13,16 @@ from rlvr.methods.tandem.shaping import junior_dir, shape_tandem
 from rlvr.models.tiny import build_tiny_model
 from rlvr.training.rollouts import Rollouts
 
+TANDEM = load_config(None, ["algorithm.name=tandem"])
+
 
 def test_config_defaults():
     # p = 0.5 is the paper's fair coin (arXiv:2606.28166, Sec. 3.3) and its KL loss is disabled
     # (App. A.3, Table 4); the cap of 32 follows the authors' code.
-    t = Config().algorithm.tandem
+    cfg = load_config(None, ["algorithm.name=tandem"])
+    t = cfg.algorithm.tandem
     assert (t.p, t.cap, t.junior_path) == (0.5, 32, None)
-    assert Config().training.kl_coef == 0.0
+    assert cfg.training.kl_coef == 0.0
 
 
 @pytest.mark.parametrize(
@@ -33,7 +36,7 @@ def test_config_defaults():
 )
 def test_invalid_settings_name_the_key(section, message):
     with pytest.raises(ConfigError, match=message):
-        config_from_dict({"algorithm": section})
+        config_from_dict({"algorithm": {"name": "tandem", **section}})
 
 
 def test_the_presets_load():
@@ -53,7 +56,8 @@ def test_the_junior_defaults_to_the_senior_start_and_is_checked(tmp_path):
 
     other = build_tiny_model(tmp_path / "other", seed=0, corpus=["zebra quokka yak"] * 20)
     for path, message in ((other, "tokenizers differ"), (tmp_path / "none", "neither")):
-        cfg = load_config(overrides=[f"algorithm.tandem.junior_path={path}"])
+        junior = f"algorithm.tandem.junior_path={path}"
+        cfg = load_config(overrides=["algorithm.name=tandem", junior])
         with pytest.raises(ConfigError, match=f"algorithm.tandem.junior_path: .*{message}"):
             junior_dir(cfg, senior)
 
@@ -80,7 +84,7 @@ def test_shaping_keeps_the_senior_tokens_and_reports_the_schedule():
         SwitchCounters(boundary_redraws=3, cap_redraws=1, switches=2),
         SwitchCounters(boundary_redraws=1, cap_redraws=0, switches=0),
     ]
-    batch, stats = shape_tandem(_rollouts(authorships, counters), Config(), pad_id=0)
+    batch, stats = shape_tandem(_rollouts(authorships, counters), TANDEM, pad_id=0)
     # prompt + response, right-padded to width 5; authorship sits after each prompt
     assert batch.authorship.tolist() == [
         [0, 0, 1, 0, 0],
@@ -107,8 +111,8 @@ def test_shaping_keeps_the_senior_tokens_and_reports_the_schedule():
 def test_shaping_refuses_rollouts_without_authorship():
     counters = [SwitchCounters()] * 4
     with pytest.raises(ValueError, match="carry no authorship"):
-        shape_tandem(_rollouts([[1, 1, 1], None, [1] * 4, [1, 1]], counters), Config(), 0)
+        shape_tandem(_rollouts([[1, 1, 1], None, [1] * 4, [1, 1]], counters), TANDEM, 0)
     rollouts = _rollouts([[1, 1, 1], [1], [1] * 4, [1, 1]], counters)
     rollouts.flags[1] = {}
     with pytest.raises(ValueError, match="no tandem counters"):
-        shape_tandem(rollouts, Config(), 0)
+        shape_tandem(rollouts, TANDEM, 0)

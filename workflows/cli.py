@@ -14,10 +14,13 @@ import json
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from rlvr.config import Config, ConfigError, load_config
+from rlvr.run.placement import check_cluster
+from rlvr.serving.config import ServeConfig
 
 DEMO_CONFIG = "smollm2-arith"
 """The shipped preset `rlvr demo` trains (`rlvr.config.presets`)."""
@@ -73,11 +76,13 @@ def worker_output_options(engine_log: Path | None) -> dict[str, Any]:
     }
 
 
-def init_ray(cfg: Config, engine_log: Path | None = None) -> None:
-    """Join RAY_ADDRESS when set; otherwise start an in-process cluster on 127.0.0.1.
+def init_ray(cfg: Config | ServeConfig, engine_log: Path | None = None) -> None:
+    """Join RAY_ADDRESS when set; otherwise start an in-process cluster on 127.0.0.1, failing
+    with a ConfigError, before any actor starts, where the config's actors cannot fit its nodes.
 
     `engine_log`: the file that receives the actors' output (None: the console, as Ray does).
     """
+    fits = cfg.check_cluster if isinstance(cfg, ServeConfig) else partial(check_cluster, cfg)
     import ray
 
     from actors.controller import NAMESPACE
@@ -86,7 +91,7 @@ def init_ray(cfg: Config, engine_log: Path | None = None) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(namespace=NAMESPACE, **output)
         try:
-            cfg.check_cluster([n["Resources"] for n in ray.nodes() if n["Alive"]])
+            fits([n["Resources"] for n in ray.nodes() if n["Alive"]])
         except ConfigError:
             ray.shutdown()
             raise
@@ -94,7 +99,7 @@ def init_ray(cfg: Config, engine_log: Path | None = None) -> None:
         cpus = os.cpu_count() or 1
         import torch
 
-        cfg.check_cluster([{"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}])
+        fits([{"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}])
         ray.init(
             address="local",  # a cluster of its own, never one another process started
             num_cpus=cpus,

@@ -46,30 +46,8 @@ class ControllerClient:
     def plan_step(self, step: int, prompt_ids: list[str]) -> dict[str, Any]:
         return self.worker.run("plan_step", step, prompt_ids, step=step)
 
-    def update_length_dual(self, step: int, mean_length: float) -> float:
-        return self.worker.run("update_length_dual", step, mean_length, step=step)
-
-    def update_duet_state(
-        self,
-        step: int,
-        prompt_ids: list[str],
-        advantages: list[float],
-        logprob_sums: list[float],
-        lengths: list[int],
-        kept: list[bool],
-        epoch_end: bool,
-    ) -> dict[str, Any]:
-        return self.worker.run(
-            "update_duet_state",
-            step,
-            prompt_ids,
-            advantages,
-            logprob_sums,
-            lengths,
-            kept,
-            epoch_end,
-            step=step,
-        )
+    def update_method_state(self, step: int, **observation: Any) -> Any:
+        return self.worker.run("update_method_state", step, step=step, **observation)
 
     def observe_step(
         self,
@@ -265,7 +243,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
             controller=ControllerClient(
                 Worker(
                     ControllerActor(
-                        cfg.generation.group_size, cfg.laconic_dual(), cfg.duet_controller()
+                        cfg.generation.group_size, build_method(cfg).controller_state()
                     ),
                     "ControllerActor",
                 )
@@ -353,7 +331,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         .options(
             name=controller_name(cfg.run.name), namespace=NAMESPACE, num_cpus=0, get_if_exists=False
         )
-        .remote(cfg.generation.group_size, cfg.laconic_dual(), cfg.duet_controller())
+        .remote(cfg.generation.group_size, build_method(cfg).controller_state())
     )
     handles.append(controller)
     verifier = VerifierPool(

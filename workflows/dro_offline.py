@@ -20,6 +20,7 @@ import torch
 from rlvr.algorithms import dro
 from rlvr.algorithms.groups import group_rows
 from rlvr.config import Config
+from rlvr.files import atomic_write_text
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest
 from rlvr.methods.dro.method import ensure_rubrics, rubric_cache_path
@@ -29,7 +30,6 @@ from rlvr.methods.dro.rollouts import (
     reference_text,
     scoring_inputs,
 )
-from rlvr.run.files import atomic_write_text
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.training.rollouts import Rollouts

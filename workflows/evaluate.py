@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from rlvr.algorithms.pass_at_k import pass_at_k
+from rlvr.answers import extract_answer
 from rlvr.config import ConfigError
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
-from rlvr.run.metrics import pass_at_k
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
-from rlvr.verifiers.extract import extract_answer
 from rlvr.verifiers.factory import make_verifier
 from workflows.checkpoints import resolve_checkpoint, run_config
 

@@ -42,9 +42,10 @@ from ray.exceptions import RayActorError
 
 from actors.controller import NAMESPACE, ControllerActor, controller_name
 from rlvr.algorithms.csa import AlreadyLabelledError, UnknownSeqError
-from rlvr.config import ConfigError, check_model_for_backend
+from rlvr.config import ConfigError
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.models import resolve_model_path
+from rlvr.models.checks import check_model_dir
 from rlvr.serving.access import (
     API_KEYS_ENV,
     AccessPolicy,
@@ -165,7 +166,7 @@ def prepare_serve(cfg: ServeConfig) -> PreparedServe:
         model_dir = with_adapter(model_dir, cfg.model.adapter)
     except FileNotFoundError as err:
         raise ConfigError(f"invalid serve config: model.adapter: {err}") from None
-    check_model_for_backend(cfg, model_dir)
+    check_model_dir(model_dir, cfg.generation.max_model_len, cfg.vllm_on_cpu())
     cal_path = Path(cfg.csa.calibration or Path(cfg.model.adapter or model_dir) / CALIBRATION_FILE)
     try:
         calibration = Calibration.load(cal_path)

@@ -183,22 +183,8 @@ class RunServices:
             self._reference = start_reference(self.cfg, self.model_dir, self.comps, self.use_actors)
         return self._reference
 
-    def update_length_dual(self, step: int, mean_length: float) -> float:
-        return self.comps.controller.update_length_dual(step, mean_length)
-
-    def update_duet_state(
-        self,
-        step: int,
-        prompt_ids: list[str],
-        advantages: list[float],
-        logprob_sums: list[float],
-        lengths: list[int],
-        kept: list[bool],
-        epoch_end: bool,
-    ) -> dict[str, Any]:
-        return self.comps.controller.update_duet_state(
-            step, prompt_ids, advantages, logprob_sums, lengths, kept, epoch_end
-        )
+    def update_method_state(self, step: int, **observation: Any) -> Any:
+        return self.comps.controller.update_method_state(step, **observation)
 
     def epoch_ends_after(self, step: int) -> bool:
         return self.sampler.epoch_of(step + 1) > self.sampler.epoch_of(step)

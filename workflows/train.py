@@ -25,15 +25,14 @@ from tqdm import tqdm
 from rlvr.config import (
     Config,
     ConfigError,
-    check_lora_targets,
-    check_model_for_backend,
     config_from_dict,
 )
+from rlvr.files import atomic_write_text
 from rlvr.generation.base import SamplingParams
 from rlvr.methods.base import build_method, method_class, timed
 from rlvr.models import cache_dir, resolve_model_path
+from rlvr.models.checks import check_lora_targets, check_model_dir
 from rlvr.models.sft import sft_warmup
-from rlvr.run.files import atomic_write_text
 from rlvr.run.loggers import Loggers, check_loggers, open_loggers
 from rlvr.run.metrics import group_stats, reward_part_stats, rollout_stats, uncomputed_stats
 from rlvr.run.rundir import RunDir
@@ -325,8 +324,9 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
         model_dir = resolve_model_path(cfg.model.path, seed=cfg.model.seed)
     except FileNotFoundError as err:
         raise ConfigError(f"invalid config: model.path: {err}") from None
-    check_model_for_backend(cfg, model_dir)
-    check_lora_targets(cfg, model_dir)
+    check_model_dir(model_dir, cfg.generation.max_model_len, cfg.vllm_on_cpu())
+    if cfg.model.lora.enabled:
+        check_lora_targets(model_dir, cfg.model.lora.target_modules)
     try:
         train_problems, test_problems = load_task(cfg.task)
     except ValueError as err:

@@ -16,15 +16,16 @@ runs a toy one through the actors.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
+from rlvr.config import Config, MethodSpec, Section, import_builtin_methods, register_method_spec
+from rlvr.methods.state import ControllerState
+
 if TYPE_CHECKING:
-    from rlvr.config import Config
     from rlvr.generation.base import SamplingParams
     from rlvr.tasks.base import Problem
     from rlvr.training.batch import TrainBatch
@@ -88,20 +89,9 @@ class StepServices(Protocol):
     def reference(self) -> ReferenceModel:
         """The frozen reference model's worker, started on first use."""
 
-    def update_length_dual(self, step: int, mean_length: float) -> float:
-        """LACONIC's dual step on the controller; returns lambda for the next step."""
-
-    def update_duet_state(
-        self,
-        step: int,
-        prompt_ids: list[str],
-        advantages: list[float],
-        logprob_sums: list[float],
-        lengths: list[int],
-        kept: list[bool],
-        epoch_end: bool,
-    ) -> dict[str, Any]:
-        """DUET's per-prompt state and K1/K2 window on the controller; returns its metrics."""
+    def update_method_state(self, step: int, **observation: Any) -> Any:
+        """The method's `ControllerState.update` on the controller, once per step (a retry is a
+        no-op); returns what it returns."""
 
     def epoch_ends_after(self, step: int) -> bool:
         """Whether `step` is the last step of a pass over the training prompts."""
@@ -124,6 +114,11 @@ class Method:
     normalised advantages on every response token. Other methods override what they change."""
 
     name: ClassVar[str] = "grpo"
+    section: ClassVar[type[Section] | None] = None
+    """Its parameters, `algorithm.<name>` in the config (None: it has none of its own)."""
+    engine_state: ClassVar[bool] = False
+    """Whether it keeps per-sample state in the engine's process (a stop rule, an author
+    schedule): tensor-parallel engines cannot run it."""
     best_metric: ClassVar[str] = "eval_accuracy"
     """Held-out metric that picks the best checkpoint (higher is better)."""
     policy_loss: ClassVar[str] = "grpo"
@@ -136,6 +131,15 @@ class Method:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """Checks across the config's sections, once it is otherwise valid (raise ValueError
+        naming the key)."""
+
+    def controller_state(self) -> ControllerState | None:
+        """Its state on the training controller (None: it keeps none)."""
+        return None
 
     # --- set-up -----------------------------------------------------------------------------
     def start(self, run: StepServices) -> None:
@@ -227,6 +231,8 @@ def register(name: str) -> Callable[[type[Method]], type[Method]]:
             raise ValueError(f"method {name!r} is already registered by {_REGISTRY[name]}")
         cls.name = name
         _REGISTRY[name] = cls
+        spec = MethodSpec(cls.section, cls.check_config, cls.overlaps_generation, cls.engine_state)
+        register_method_spec(name, spec)
         return cls
 
     return add
@@ -237,7 +243,7 @@ register("grpo")(Method)
 
 def method_class(name: str) -> type[Method]:
     """The registered method `name` (the built-in ones are imported on first lookup)."""
-    _import_builtin_methods()
+    import_builtin_methods()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -253,18 +259,8 @@ def build_method(cfg: Config) -> Method:
 
 def registered() -> list[str]:
     """Names of every registered method."""
-    _import_builtin_methods()
+    import_builtin_methods()
     return sorted(_REGISTRY)
-
-
-BUILTIN_METHODS = ("laconic", "duet", "dro", "tandem", "dapo")
-"""Packages under rlvr/methods/ that register a built-in method when imported."""
-
-
-def _import_builtin_methods() -> None:
-    """Import the built-in methods' packages (each registers itself); cheap after the first call."""
-    for name in BUILTIN_METHODS:
-        importlib.import_module(f"rlvr.methods.{name}")
 
 
 class timed:

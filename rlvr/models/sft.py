@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from rlvr.answers import last_boxed
 from rlvr.models.tiny import publish_dir, staging_dir
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, render_prompt
-from rlvr.verifiers.extract import last_boxed
 
 MARKER = "rlvr_sft.json"
 WARMUP_STEPS = 20

@@ -11,8 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlvr.algorithms.duet.control import DuetController
-from rlvr.algorithms.laconic import DualState
+from rlvr.methods.state import ControllerState
 
 
 class StepOrderError(RuntimeError):
@@ -46,65 +45,31 @@ class TrainingController:
     prompts: dict[str, PromptStats] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     recent_rollouts: deque = field(default_factory=deque)
-    laconic: DualState | None = None
-    duet: DuetController | None = None
-
-    @classmethod
-    def build(
-        cls,
-        group_size: int,
-        laconic: dict[str, float] | None = None,
-        duet: dict[str, Any] | None = None,
-    ) -> TrainingController:
-        """A controller with the method states a run's config asks for (`Config.laconic_dual`,
-        `Config.duet_controller`), so a checkpoint of that run loads into it."""
-        return cls(
-            group_size=group_size,
-            laconic=DualState(**laconic) if laconic else None,
-            duet=DuetController(**duet) if duet else None,
-        )
+    method: ControllerState | None = None
+    """The method's own state (`Method.controller_state`): LACONIC's dual, DUET's allocator."""
+    method_updated_step: int = -1
 
     def plan_step(self, step: int, prompt_ids: list[str]) -> dict[str, Any]:
-        """Rollouts per prompt for `step` (fixed group size for GRPO), and the step's dual values.
-
-        LACONIC's lambda is read here, once, before any advantage of the step is computed. With
-        DUET the counts come from its allocation and `plan["duet"]` holds the step's plan
-        (counts aligned with `prompt_ids`, lambda*, budget, K1/K2, ...).
-        """
+        """Rollouts per prompt for `step` (the fixed group size), with what the method's state
+        adds: read here, once, before any advantage of the step is computed (LACONIC's lambda;
+        DUET's counts, which replace `n`, and its plan under `plan["duet"]`)."""
         if step != self.last_applied_step + 1:
             raise StepOrderError(
                 f"plan for step {step} but the next step is {self.last_applied_step + 1}"
             )
         plan: dict[str, Any] = {"step": step, "n": {pid: self.group_size for pid in prompt_ids}}
-        if self.laconic is not None:
-            plan["laconic_lambda"] = self.laconic.lambda_for_step(step)
-        if self.duet is not None:
-            plan["duet"] = self.duet.plan(step, prompt_ids)
-            plan["n"] = dict(zip(prompt_ids, plan["duet"]["counts"], strict=True))
+        if self.method is not None:
+            plan.update(self.method.plan(step, prompt_ids))
         return plan
 
-    def update_length_dual(self, step: int, mean_length: float) -> float:
-        """LACONIC's dual step from the mean length of ALL the step's responses; once per step."""
-        if self.laconic is None:
-            raise RuntimeError("LACONIC is not enabled for this run")
-        return self.laconic.step_update(step, mean_length)
-
-    def update_duet_state(
-        self,
-        step: int,
-        prompt_ids: list[str],
-        advantages: list[float],
-        logprob_sums: list[float],
-        lengths: list[int],
-        kept: list[bool],
-        epoch_end: bool = False,
-    ) -> dict[str, Any]:
-        """DUET's per-prompt state and K1/K2 window from the step's rollouts; once per step."""
-        if self.duet is None:
-            raise RuntimeError("DUET is not enabled for this run")
-        return self.duet.update(
-            step, prompt_ids, advantages, logprob_sums, lengths, kept, epoch_end
-        )
+    def update_method_state(self, step: int, **observation: Any) -> Any:
+        """The method state's update from the step's observation; once per step (retries are
+        no-ops in the state itself)."""
+        if self.method is None:
+            raise RuntimeError("this run's method keeps no controller state")
+        out = self.method.update(step, **observation)
+        self.method_updated_step = max(self.method_updated_step, step)
+        return out
 
     def observe_step(
         self,
@@ -120,8 +85,9 @@ class TrainingController:
             raise StepOrderError(
                 f"observation for step {step} but the next step is {self.last_applied_step + 1}"
             )
-        if self.duet is not None and self.duet.last_step != step:
-            raise StepOrderError(f"step {step} observed before its DUET state update")
+        method = self.method
+        if method is not None and method.updates_every_step and self.method_updated_step != step:
+            raise StepOrderError(f"step {step} observed before its method state update")
         for pid, rewards in rewards_by_prompt.items():
             self.prompts.setdefault(pid, PromptStats()).update(list(rewards), step)
         self.history.append({"step": step, **metrics})
@@ -147,8 +113,8 @@ class TrainingController:
             "prompts": {pid: vars(s).copy() for pid, s in self.prompts.items()},
             "history": copy.deepcopy(self.history),
             "recent_rollouts": list(self.recent_rollouts),
-            "laconic": self.laconic.state_dict() if self.laconic is not None else None,
-            "duet": self.duet.state_dict() if self.duet is not None else None,
+            "method": self.method.state_dict() if self.method is not None else None,
+            "method_updated_step": self.method_updated_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -157,13 +123,9 @@ class TrainingController:
         self.prompts = {pid: PromptStats(**s) for pid, s in state["prompts"].items()}
         self.history = copy.deepcopy(state["history"])
         self.recent_rollouts = deque(state["recent_rollouts"])
-        dual = state.get("laconic")
-        if (dual is None) != (self.laconic is None):
-            raise ValueError("checkpoint and run disagree on whether LACONIC is enabled")
-        if dual is not None:
-            self.laconic.load_state_dict(dual)
-        duet = state.get("duet")
-        if (duet is None) != (self.duet is None):
-            raise ValueError("checkpoint and run disagree on whether DUET is enabled")
-        if duet is not None:
-            self.duet.load_state_dict(duet)
+        method = state.get("method")
+        if (method is None) != (self.method is None):
+            raise ValueError("checkpoint and run disagree on whether the method keeps state")
+        if method is not None:
+            self.method.load_state_dict(method)
+        self.method_updated_step = state.get("method_updated_step", -1)

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from rlvr.config import ConfigError, RunConfig
-from rlvr.run.files import atomic_write_text
+from rlvr.files import atomic_write_text
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
 """The pip package each logger needs (the import name is the logger's name)."""

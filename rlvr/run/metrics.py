@@ -6,25 +6,12 @@ Pure functions over plain lists so the driver, the bench and the tests compute t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from rlvr.algorithms.groups import group_rows
 from rlvr.verifiers import VERIFIER_FAILED
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one problem with c correct of n samples: 1 - C(n-c, k) / C(n, k).
-
-    Exact integer combinatorics (Chen et al. 2021); 1 when fewer than k samples are wrong.
-    """
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 class UncomputedRewards(RuntimeError):

@@ -9,16 +9,15 @@ Three layouts, from `resources` (`rlvr.config.ResourcesConfig`):
 - `colocate`: one bundle per pair, policy rank i and engine i, which then share its node and, on
   GPUs, its one device (the engine sleeps while the rank trains).
 
-Pure data, so the config check (`Config.check_cluster`) and the actor start agree on one plan.
+Pure data, so the check of a config against a cluster (`check_cluster`) and the actor start agree on
+one plan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from rlvr.config import ResourcesConfig
+from rlvr.config import Config, ConfigError, ResourcesConfig
 
 Bundle = dict[str, float]
 
@@ -78,3 +77,74 @@ def plan_placement(r: ResourcesConfig) -> PlacementPlan:
     return PlacementPlan(
         groups, tuple((0, i) for i in range(ranks)), tuple((1, i) for i in range(engines))
     )
+
+
+def check_cpus(cfg: Config, available: float) -> None:
+    """Fail before any actor starts when the actors ask for more CPUs than the cluster has."""
+    check_cluster(cfg, [{"CPU": available}], strict_placement=False)
+
+
+def check_cluster(
+    cfg: Config, nodes: list[dict[str, float]], strict_placement: bool = True
+) -> None:
+    """Fail before any actor starts when the layout cannot fit the cluster's nodes (each a
+    dict of its resources), naming the keys to change: a resource short in total, or a
+    STRICT_SPREAD / STRICT_PACK placement the node count or the largest node cannot hold."""
+    r = cfg.resources
+    keys = {
+        "CPU": "resources.policy_ranks / policy_cpus / generator_engines / generator_cpus / "
+        "verifier_cpus or num_verifiers",
+        "GPU": "resources.policy_ranks / policy_gpus / generator_engines / generator_gpus",
+    }
+    for resource, need in r.demand().items():
+        have = sum(node.get(resource, 0.0) for node in nodes)
+        if need > have + 1e-9:
+            what = "CPUs" if resource == "CPU" else "GPUs" if resource == "GPU" else resource
+            lower = keys.get(resource, "resources.policy_resources / generator_resources")
+            raise ConfigError(
+                f"invalid config: resources: the actors need {need:g} {what} but "
+                f"{have:g} are available; lower {lower}"
+            )
+    if not strict_placement:
+        return
+    for group in plan_placement(r).groups:
+        _check_group(group, nodes)
+
+
+def _check_group(group: GroupPlan, nodes: list[dict[str, float]]) -> None:
+    """One placement group against the nodes: every bundle fits some node, STRICT_SPREAD has a
+    node per bundle, STRICT_PACK a node for all of them."""
+    key = {"policy": "policy_strategy", "generator": "generator_strategy"}.get(
+        group.role, "placement_strategy"
+    )
+    key = f"resources.{key}"
+
+    def fits(need: dict[str, float], node: dict[str, float]) -> bool:
+        return all(node.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
+
+    actors = {
+        "models": "model actors (resources.policy_ranks + generator_engines)",
+        "policy": "policy ranks (resources.policy_ranks)",
+        "generator": "engines (resources.generator_engines)",
+        "colocated": "rank + engine pairs (resources.policy_ranks)",
+    }[group.role]
+    for bundle in group.bundles:
+        if not any(fits(bundle, node) for node in nodes):
+            raise ConfigError(
+                f"invalid config: resources: no node has {bundle}, the bundle of one of the "
+                f"{actors}"
+            )
+    if group.strategy == "STRICT_SPREAD" and len(group.bundles) > len(nodes):
+        raise ConfigError(
+            f"invalid config: {key}: STRICT_SPREAD puts each of the {len(group.bundles)} "
+            f"{actors} on its own node, but the cluster has {len(nodes)}"
+        )
+    if group.strategy == "STRICT_PACK":
+        need: dict[str, float] = {}
+        for bundle in group.bundles:
+            need = merge_bundles(need, bundle)
+        if not any(fits(need, node) for node in nodes):
+            raise ConfigError(
+                f"invalid config: {key}: STRICT_PACK puts all {actors} on one node, and no "
+                f"node has {need}"
+            )

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from rlvr.run.files import atomic_write_text, fsync_dir
+from rlvr.files import atomic_write_text, fsync_dir
 
 STEP_PREFIX = "step_"
 MANIFEST = "manifest.json"

@@ -29,9 +29,9 @@ from pydantic import (
 )
 
 from rlvr.algorithms.csa import Calibrator, majority_answer, make_grid
-from rlvr.run.files import atomic_write_text
+from rlvr.answers import extract_answer
+from rlvr.files import atomic_write_text
 from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, PROMPT_SLOT, with_instruction
-from rlvr.verifiers.extract import extract_answer
 
 CALIBRATION_FILE = "csa_calibration.json"
 """Name of the calibration artefact inside a checkpoint directory."""

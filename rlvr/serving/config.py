@@ -19,6 +19,7 @@ from rlvr.config import (
     apply_overrides,
     format_validation_error,
     read_yaml_sections,
+    vllm_on_cpu,
 )
 from rlvr.serving.access import API_KEYS_ENV, OPERATOR_KEY_ENV, OPERATOR_KEY_FILE, check_key
 from rlvr.serving.streams import STREAM_NAME, StreamSpec
@@ -280,7 +281,7 @@ class ServeConfig(Section):
 
     def vllm_on_cpu(self) -> bool:
         """Whether generation runs on vLLM's CPU backend (replicas hold no GPUs)."""
-        return self.generation.backend == "vllm"
+        return vllm_on_cpu(self.generation.backend)
 
     def check_cpus(self, available: float) -> None:
         """Fail before anything starts when the replicas ask for more CPUs than there are."""
@@ -307,7 +308,6 @@ def load_serve_config(
     data = apply_overrides(
         read_yaml_sections(path, kind="serve config"),
         overrides or [],
-        check_keys=False,
         kind="serve config",
     )
     try:

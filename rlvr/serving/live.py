@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from rlvr.run.files import atomic_write_text
+from rlvr.files import atomic_write_text
 
 UPDATER_FILE = "updater.json"
 """The updater's progress (`UpdaterState`) in the live directory."""

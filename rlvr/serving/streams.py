@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rlvr.algorithms.csa import CSAController, CSAError
-from rlvr.run.files import atomic_write_text, fsync_dir
+from rlvr.files import atomic_write_text, fsync_dir
 
 STREAM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 SEQ_BLOCK = 1024

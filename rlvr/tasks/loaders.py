@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from rlvr.answers import last_boxed
 from rlvr.tasks.base import Problem
-from rlvr.verifiers.extract import last_boxed
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+from rlvr.answers import extract_answer
 from rlvr.verifiers.base import ClosingVerifier
-from rlvr.verifiers.extract import extract_answer
 from rlvr.verifiers.worker import WorkerLost, WorkerPool
 
 __all__ = ["STATUSES", "MathVerifier", "extract_answer", "verify_math"]

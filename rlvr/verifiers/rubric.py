@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from rlvr.algorithms.dro import MAX_RUBRIC_ITEMS, parse_rubric_items, parse_rubric_judgment
+from rlvr.files import atomic_write_text
 from rlvr.generation.base import GenerationBackend, GenerationRequest, SamplingParams
-from rlvr.run.files import atomic_write_text
 
 MAX_ATTEMPTS = 3
 """Rubric generations per query: the first and up to two regenerations (our choice: the paper

@@ -12,6 +12,7 @@ import pytest
 from rlvr.algorithms.duet import fixed_count
 from rlvr.algorithms.duet.control import DuetController
 from rlvr.config import ConfigError, load_config
+from rlvr.methods.duet.config import duet_controller, duet_stop
 from rlvr.methods.duet.shaping import shape_duet
 from rlvr.training.rollouts import Rollouts
 
@@ -74,9 +75,9 @@ def _rollouts(groups, flags, rewards) -> Rollouts:
 
 def test_abort_only_weights_are_one_over_p_abort():
     cfg = load_config(None, [*BASE, "algorithm.duet.allocate=false", "algorithm.duet.b=0.25"])
-    assert cfg.duet_stop(k1=10, k2=20, step=0) is not None  # the stop rule stays on
-    assert cfg.duet_controller()["allocate"] is False
-    counts = DuetController(**cfg.duet_controller()).plan(0, ["p", "q"])["counts"]
+    assert duet_stop(cfg, k1=10, k2=20, step=0) is not None  # the stop rule stays on
+    assert duet_controller(cfg)["allocate"] is False
+    counts = DuetController(**duet_controller(cfg)).plan(0, ["p", "q"])["counts"]
     assert counts == [2, 2]
     flags = [{"marker": True}, {"eps_kept": True}, {"aborted": True}, {}]
     rollouts = _rollouts(["p", "p", "q", "q"], flags, [1.0, 0.0, 0.0, 1.0])
@@ -90,8 +91,8 @@ def test_abort_only_weights_are_one_over_p_abort():
 
 def test_allocator_only_installs_no_stop_rule_and_weights_one_over_s_pre():
     cfg = load_config(None, [*BASE, "algorithm.duet.early_stop=false"])
-    assert cfg.duet_stop(k1=10, k2=20, step=0) is None
-    assert cfg.duet_controller()["allocate"] is True
+    assert duet_stop(cfg, k1=10, k2=20, step=0) is None
+    assert duet_controller(cfg)["allocate"] is True
     # counts [3, 1]: nbar = 2, s_pre = [1, 0.5]; no stop flags, so every rollout is natural
     rollouts = _rollouts(["p"] * 3 + ["q"], [{}] * 4, [1.0, 0.0, 0.0, 1.0])
     batch, _ = shape_duet(rollouts, [3, 1], cfg, pad_id=0)

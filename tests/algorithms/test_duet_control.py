@@ -11,7 +11,10 @@ import pytest
 
 from rlvr.algorithms.duet.control import DuetController, step_metrics
 from rlvr.config import ConfigError, load_config
+from rlvr.methods.base import build_method
+from rlvr.methods.duet.config import duet_controller, duet_stop
 from rlvr.methods.duet.shaping import shape_duet
+from rlvr.methods.duet.state import DuetState
 from rlvr.run.controller import StepOrderError, TrainingController
 from rlvr.training.rollouts import Rollouts
 
@@ -24,8 +27,22 @@ LENGTHS = [10, 20, 30, 40, 12, 60, 60, 60, 50, 50, 50, 50]
 KEPT = [True] * 5 + [False] * 3 + [True] * 4
 
 
+OBSERVATION = {
+    "prompt_ids": IDS,
+    "advantages": ADV,
+    "logprob_sums": LOGP,
+    "lengths": LENGTHS,
+    "kept": KEPT,
+}
+
+
 def controller(**kwargs) -> DuetController:
     return DuetController(**{"b": 0.5, "max_len": 100, "n_ref": 8, **kwargs})
+
+
+def controller_state(**kwargs) -> DuetState:
+    """DUET's state as the training controller holds it."""
+    return DuetState(**{"b": 0.5, "max_len": 100, "n_ref": 8, **kwargs})
 
 
 def run_step0(c: DuetController, epoch_end: bool = False) -> dict:
@@ -107,7 +124,7 @@ def test_a_step_holding_a_prompt_twice_is_refused():
         c.update(0, ids, ADV, LOGP, LENGTHS, KEPT)
     assert c.last_step == -1 and len(c.prompts) == 0
     with pytest.raises(ValueError, match="more than once"):
-        TrainingController(group_size=8, duet=controller()).plan_step(0, ["a", "a"])
+        TrainingController(group_size=8, method=controller_state()).plan_step(0, ["a", "a"])
 
 
 def test_epoch_end_freezes_the_floor_at_p5():
@@ -133,24 +150,24 @@ def test_state_round_trips_through_json_and_plans_identically():
 
 
 def test_training_controller_routes_duet_and_guards_the_observation():
-    c = TrainingController(group_size=8, duet=controller())
+    c = TrainingController(group_size=8, method=controller_state())
     plan = c.plan_step(0, ["a", "b", "c"])
     assert plan["n"] == {"a": 4, "b": 4, "c": 4}
     assert plan["duet"]["counts"] == [4, 4, 4]
-    with pytest.raises(StepOrderError, match="before its DUET state update"):
+    with pytest.raises(StepOrderError, match="before its method state update"):
         c.observe_step(0, {}, {})
-    c.update_duet_state(0, IDS, ADV, LOGP, LENGTHS, KEPT)
+    c.update_method_state(0, **OBSERVATION)
     assert c.observe_step(0, {"a": [1.0]}, {})
     assert not c.observe_step(0, {"a": [1.0]}, {})
 
-    restored = TrainingController(group_size=8, duet=controller())
+    restored = TrainingController(group_size=8, method=controller_state())
     restored.load_state_dict(json.loads(json.dumps(c.state_dict())))
     assert restored.state_dict() == c.state_dict()
     assert restored.plan_step(1, ["a", "d"])["n"] == c.plan_step(1, ["a", "d"])["n"]
-    with pytest.raises(ValueError, match="DUET"):
+    with pytest.raises(ValueError, match="whether the method keeps state"):
         TrainingController(group_size=8).load_state_dict(c.state_dict())
-    with pytest.raises(RuntimeError, match="DUET is not enabled"):
-        TrainingController(group_size=8).update_duet_state(0, [], [], [], [], [])
+    with pytest.raises(RuntimeError, match="keeps no controller state"):
+        TrainingController(group_size=8).update_method_state(0)
 
 
 def test_step_metrics_hand_computed():
@@ -221,11 +238,11 @@ def test_config_defaults_and_controller_kwargs():
         "math",
         1,
     )
-    kwargs = cfg.duet_controller()
+    kwargs = duet_controller(cfg)
     assert kwargs["max_len"] == 512 and kwargs["refit_every"] == 10
     assert DuetController(**kwargs).window.k2 == int(0.7 * 512)
-    assert load_config(None, []).duet_controller() is None
-    stop = cfg.duet_stop(k1=10, k2=20, step=3)
+    assert build_method(load_config(None, [])).controller_state() is None
+    stop = duet_stop(cfg, k1=10, k2=20, step=3)
     assert stop == {
         "k1": 10,
         "k2": 20,
@@ -242,9 +259,12 @@ def test_config_defaults_and_controller_kwargs():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["algorithm.duet.n_ref=40"], r"algorithm\.duet: n_ref=40"),
-        (["algorithm.duet.n_min=4", "algorithm.duet.n_ref=4"], r"algorithm\.duet: b=0\.5"),
-        (["algorithm.duet.eps_abort=1.5"], r"algorithm\.duet\.eps_abort"),
+        (["algorithm.name=duet", "algorithm.duet.n_ref=40"], r"algorithm\.duet: n_ref=40"),
+        (
+            ["algorithm.name=duet", "algorithm.duet.n_min=4", "algorithm.duet.n_ref=4"],
+            r"algorithm\.duet: b=0\.5",
+        ),
+        (["algorithm.name=duet", "algorithm.duet.eps_abort=1.5"], r"algorithm\.duet\.eps_abort"),
         (["algorithm.name=duet"], r"algorithm\.duet\.grace=150"),
         (
             ["algorithm.name=duet", "algorithm.duet.grace=8", "algorithm.duet.k1_min=300"],

@@ -52,10 +52,9 @@ def test_refill_indices_are_fresh_deterministic_and_capped():
 
 
 def test_config_section():
-    assert load_config(None, []).algorithm.dapo.max_rounds == 3
-    assert load_config(None, ["algorithm.name=dapo"]).algorithm.name == "dapo"
+    assert load_config(None, ["algorithm.name=dapo"]).algorithm.dapo.max_rounds == 3
     with pytest.raises(ConfigError, match=r"algorithm\.dapo\.max_rounds"):
-        load_config(None, ["algorithm.dapo.max_rounds=0"])
+        load_config(None, ["algorithm.name=dapo", "algorithm.dapo.max_rounds=0"])
 
 
 def _rollouts(groups: list[str], rewards: list[float] | None = None) -> Rollouts:

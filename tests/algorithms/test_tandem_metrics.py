@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlvr.algorithms.counter_rng import uniform
+from rlvr.algorithms.pass_at_k import pass_at_k
 from rlvr.algorithms.tandem import JUNIOR, SENIOR
 from rlvr.algorithms.tandem.metrics import (
     Turn,
@@ -28,7 +29,6 @@ from rlvr.algorithms.tandem.metrics import (
     token_counts,
     token_turn_writer,
 )
-from rlvr.run.metrics import pass_at_k
 
 # pass@k and aggregation
 

@@ -9,7 +9,7 @@ import signal
 import time
 from collections import Counter
 
-from rlvr.algorithms.duet.control import DuetController
+from rlvr.methods.base import build_method
 from rlvr.run.controller import TrainingController
 from workflows.train import load_run_config
 
@@ -81,7 +81,7 @@ def test_duet_steps_through_the_actors_and_resumes(tmp_path, run_cli, tiny_train
     # The resumed controller planned step 1 from the checkpointed DUET state of step 0.
     cfg = load_run_config(run)
     controller = TrainingController(
-        group_size=cfg.generation.group_size, duet=DuetController(**cfg.duet_controller())
+        group_size=cfg.generation.group_size, method=build_method(cfg).controller_state()
     )
     controller.load_state_dict(
         json.loads((run / "checkpoints" / "step_000000" / "controller.json").read_text())

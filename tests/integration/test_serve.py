@@ -20,10 +20,10 @@ import pytest
 import yaml
 
 from rlvr.algorithms.csa import Calibrator, CSAController, make_grid
+from rlvr.answers import extract_answer
 from rlvr.serving.api import Calibration, boxed, checkpoint_fingerprint
 from rlvr.serving.fuzz import CATEGORIES, Credentials, fuzz_cases, tally
 from rlvr.tasks.prompts import prompt_messages
-from rlvr.verifiers.extract import extract_answer
 from rlvr.verifiers.math import verify_math
 from workflows.cli import main
 

@@ -5,10 +5,10 @@ import re
 
 import pytest
 
+from rlvr.answers import last_boxed
 from rlvr.config import load_config
 from rlvr.tasks import ArithmeticDifficulty, ArithmeticTask, load_task
 from rlvr.tasks.arithmetic import _expression, _solution
-from rlvr.verifiers.extract import last_boxed
 
 
 def _replay(solution: str) -> int:

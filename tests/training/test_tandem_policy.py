@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from actors.generator import GeneratorActor
 from actors.policy import PolicyActor
 from rlvr.algorithms.tandem import SwitchCounters
-from rlvr.config import Config
+from rlvr.config import load_config
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.generation.tandem_support import counters_to_dict
 from rlvr.methods.grpo.shaping import shape_grpo
@@ -60,7 +60,7 @@ def _assert_same_weights(a, b):
 
 
 def test_p_one_update_is_bit_identical_to_grpo(model_dir):
-    cfg = Config()
+    cfg = load_config(None, ["algorithm.name=tandem"])
     tandem_batch, stats = shape_tandem(_rollouts([[1] * len(r) for r in RESPONSES]), cfg, 0)
     grpo_batch, _ = shape_grpo(_rollouts([None] * 4), cfg, 0)
     assert torch.equal(tandem_batch.response_mask, grpo_batch.response_mask)
@@ -72,7 +72,7 @@ def test_p_one_update_is_bit_identical_to_grpo(model_dir):
 
 
 def test_the_update_is_grpo_on_the_senior_tokens_alone(model_dir):
-    cfg = Config()
+    cfg = load_config(None, ["algorithm.name=tandem"])
     batch, stats = shape_tandem(_rollouts(MIXED), cfg, 0)
     assert stats["tandem/senior_token_frac"] == 7 / 14
     assert batch.num_loss_tokens == 7
@@ -94,14 +94,14 @@ def test_the_update_is_grpo_on_the_senior_tokens_alone(model_dir):
 def test_tandem_shaping_refuses_rollouts_without_authorship():
     """The senior's mask is made once, in Tandem's shaping; rollouts that lost their authorship
     stop the step there instead of training as plain GRPO."""
-    cfg = Config()
+    cfg = load_config(None, ["algorithm.name=tandem"])
     with pytest.raises(ValueError, match="carry no authorship"):
         shape_tandem(_rollouts([None] * 4), cfg, 0)
 
 
 def _train_and_sync(generator, policy, steps):
     """`steps` Tandem steps: co-write, shape, senior-only update, sync the senior."""
-    cfg = Config()
+    cfg = load_config(None, ["algorithm.name=tandem"])
     params = SamplingParams(temperature=1.0, max_tokens=12)
     for step in range(steps):
         requests = [

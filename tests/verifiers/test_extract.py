@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlvr.verifiers.extract import extract_answer, final_answer_line, last_boxed
+from rlvr.answers import extract_answer, final_answer_line, last_boxed
 
 
 @pytest.mark.parametrize(

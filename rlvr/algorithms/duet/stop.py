@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlvr.algorithms.counter_rng import splitmix64, unit_float
-from rlvr.verifiers.extract import matched_group
+from rlvr.answers import matched_group
 
 MARKER_DOMAINS = ("math", "code", "qa")
 

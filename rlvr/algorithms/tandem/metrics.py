@@ -17,8 +17,8 @@ import torch
 from scipy.stats import spearmanr
 
 from rlvr.algorithms.counter_rng import uniform
+from rlvr.algorithms.pass_at_k import pass_at_k
 from rlvr.algorithms.tandem import JUNIOR, SENIOR, NextTokenLogits, sample_token
-from rlvr.run.metrics import pass_at_k
 
 
 @dataclass

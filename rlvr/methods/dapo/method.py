@@ -7,6 +7,7 @@ from typing import Any
 from rlvr.algorithms import dapo
 from rlvr.generation.base import SamplingParams
 from rlvr.methods.base import Collected, Method, StepServices, register, timed
+from rlvr.methods.dapo.config import DapoConfig
 from rlvr.tasks.base import Problem
 from rlvr.training.rollouts import Rollouts
 
@@ -18,6 +19,8 @@ class Dapo(Method):
     informative groups or `max_rounds` rounds ran, paying for every generated token. Clip-higher
     and the token-level loss are `training` settings (`clip_high`, `loss_agg`), not part of this
     method; overlong reward shaping is not implemented."""
+
+    section = DapoConfig
 
     def collect(
         self,

@@ -18,6 +18,7 @@ from rlvr.algorithms.groups import group_rows
 from rlvr.config import Config
 from rlvr.generation.base import SamplingParams
 from rlvr.methods.base import Method, ReferenceModel, StepServices, register
+from rlvr.methods.dro.config import DroConfig, check_dro
 from rlvr.methods.dro.rollouts import (
     DroTokens,
     RejectionTally,
@@ -105,6 +106,7 @@ class Dro(Method):
     dropped (Sec. 4.1); DRO's loss with the 80/20 entropy cut and k3 KL coefficient beta; best
     checkpoint by validation reward (App. F.2), here the held-out mean R3."""
 
+    section = DroConfig
     best_metric = "eval_r3"
     policy_loss = "dro"
     overlaps_generation = False  # R3 may be read through the policy, which is training then
@@ -117,6 +119,10 @@ class Dro(Method):
         self.tally = RejectionTally()
         self._scores: dict[str, dro.GroupScore] = {}
         self._stats: dict[str, Any] = {}
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        check_dro(cfg)
 
     def kl_coef(self) -> float:
         return self.settings.beta

@@ -6,8 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from rlvr.algorithms.duet import control as duet_control
-from rlvr.methods.base import Method, StepServices, register, timed
+from rlvr.config import Config
+from rlvr.methods.base import ControllerState, Method, StepServices, register, timed
+from rlvr.methods.duet.config import DuetConfig, check_duet, duet_controller, duet_stop
 from rlvr.methods.duet.shaping import shape_duet
+from rlvr.methods.duet.state import DuetState
 from rlvr.training.batch import TrainBatch
 from rlvr.training.rollouts import Rollouts
 
@@ -19,11 +22,20 @@ class Duet(Method):
     advantages (Eq. 6), and the per-prompt surrogate (Eq. 3) updated from the step's log-prob
     sums."""
 
+    section = DuetConfig
+    engine_state = True  # the stop rule's trackers, read by a logits processor in the engine
     needs_logprob_sums = True
     overlaps_generation = False  # each step's counts and stop rule come from the last's update
 
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        check_duet(cfg)
+
+    def controller_state(self) -> ControllerState:
+        return DuetState(**duet_controller(self.cfg))
+
     def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
-        stop = self.cfg.duet_stop(plan["duet"]["k1"], plan["duet"]["k2"], step)
+        stop = duet_stop(self.cfg, plan["duet"]["k1"], plan["duet"]["k2"], step)
         return {"duet_stop": stop} if stop is not None else {}
 
     def shape(
@@ -51,12 +63,12 @@ class Duet(Method):
         """Fold the step's rollouts into DUET's per-prompt state and K1/K2 window (once)."""
         kept = [not f.get("aborted", False) for f in rollouts.flags]
         with timed(times, "time_duet_state"):
-            return run.update_duet_state(
+            return run.update_method_state(
                 step,
-                rollouts.group_ids,
-                rollouts.advantages.tolist(),
-                logprob_sums or [0.0] * len(rollouts),
-                rollouts.lengths,
-                kept,
-                run.epoch_ends_after(step),
+                prompt_ids=rollouts.group_ids,
+                advantages=rollouts.advantages.tolist(),
+                logprob_sums=logprob_sums or [0.0] * len(rollouts),
+                lengths=rollouts.lengths,
+                kept=kept,
+                epoch_end=run.epoch_ends_after(step),
             )

@@ -9,6 +9,7 @@ import numpy as np
 
 from rlvr.generation.base import SamplingParams
 from rlvr.methods.base import Method, StepServices, register
+from rlvr.methods.tandem.config import TandemConfig
 from rlvr.methods.tandem.shaping import junior_dir, shape_tandem
 from rlvr.tasks.base import Problem
 from rlvr.training.batch import TrainBatch
@@ -21,6 +22,8 @@ class Tandem(Method):
     boundaries (Sec. 3.3), only the senior's tokens train (Sec. 3.4, Eq. 1); best checkpoint by
     the accuracy of tandem rollouts (Sec. 5.1)."""
 
+    section = TandemConfig
+    engine_state = True  # the author schedule, read by a logits processor in the engine
     best_metric = "eval_tandem_accuracy"
 
     def generator_settings(self, model_dir: Path) -> dict[str, Any]:

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from rlvr.algorithms.tandem import authorship_matrix, schedule_metrics, senior_loss_mask
-from rlvr.config import Config, ConfigError, check_model_for_backend
+from rlvr.config import Config, ConfigError
 from rlvr.generation.tandem_support import check_same_tokenizer, counters_from_flags
 from rlvr.methods.grpo.shaping import shape_grpo
 from rlvr.models import resolve_model_path
+from rlvr.models.checks import check_model_dir
 from rlvr.training.batch import TrainBatch
 from rlvr.training.rollouts import Rollouts
 
@@ -29,7 +30,7 @@ def junior_dir(cfg: Config, model_dir: Path) -> Path:
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"invalid config: algorithm.tandem.junior_path: {err}") from None
     try:
-        check_model_for_backend(cfg, path)
+        check_model_dir(path, cfg.generation.max_model_len, cfg.vllm_on_cpu())
     except ConfigError as err:
         raise ConfigError(str(err).replace("model.path", "algorithm.tandem.junior_path")) from None
     return path

@@ -1,4 +1,5 @@
-"""Typed run configuration: YAML presets plus `--set a.b=c` overrides, validated once at load.
+"""The training config's schema: every section of `rlvr train`'s YAML as a typed model, its
+checks across sections, and the method registry's side that picks `algorithm.<name>`'s section.
 
 Every option is a typed field with a one-line description and a default from the field's practice;
 an unknown key, a wrong type or an impossible value fails at load with the dotted key named.
@@ -6,36 +7,33 @@ an unknown key, a wrong type or an impossible value fails at load with the dotte
 
 from __future__ import annotations
 
-import json
+import functools
+import importlib
+import importlib.util
 import math
-import re
+import pkgutil
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, create_model, model_validator
 
-from rlvr.algorithms import dro, duet, laconic
+from rlvr.config.core import (
+    ConfigError,
+    Section,
+    apply_overrides,
+    format_validation_error,
+    key_tree,
+    read_yaml_sections,
+    vllm_on_cpu,
+)
 from rlvr.generation.base import SamplingParams
-from rlvr.run.placement import GroupPlan, merge_bundles, plan_placement
 from rlvr.tasks.prompts import PROMPT_SLOT
 from rlvr.training.settings import LoraSettings
 from rlvr.verifiers.python import check_function
 from rlvr.verifiers.weighted import reward_name
-
-if TYPE_CHECKING:
-    from rlvr.serving.config import ServeConfig
-
-VLLM_CPU_HEAD_SIZES = (32, 64, 128)
-
-
-class ConfigError(ValueError):
-    """A configuration problem, naming the offending key."""
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class LoraConfig(Section):
@@ -371,220 +369,6 @@ class TrainingConfig(Section):
         return self
 
 
-class LaconicConfig(Section):
-    """LACONIC: keep the mean response length under `budget` tokens with an adaptive dual."""
-
-    budget: int | None = Field(
-        None, gt=0, description="Target mean response length B (tokens); required by LACONIC."
-    )
-    eta: float = Field(
-        laconic.DEFAULT_ETA, ge=0.0, description="Dual step size (0 = fixed lambda, an ablation)."
-    )
-    lam_max: float | Literal["auto"] = Field(
-        laconic.DEFAULT_LAM_MAX,
-        description="Ceiling of the dual variable; 'auto' = the safe ceiling B / (max_tokens - B).",
-    )
-    lam_init: float = Field(laconic.DEFAULT_LAM_INIT, ge=0.0, description="Initial dual value.")
-    cost: Literal["hinge", "linear"] = Field(
-        "hinge",
-        description="'hinge' = max(L/B - 1, 0) (the method); 'linear' = L/B - 1 (ablation).",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> LaconicConfig:
-        if isinstance(self.lam_max, float) and self.lam_max < 0:
-            raise ValueError("lam_max must be >= 0 or 'auto'")
-        return self
-
-
-class DuetConfig(Section):
-    """DUET: per-prompt rollout counts and in-engine early stops under one token budget."""
-
-    b: float = Field(
-        0.5, gt=0.0, description="Budget fraction: B = b * n_ref * sum of the batch's L_hat."
-    )
-    n_ref: int = Field(8, gt=0, description="Reference GRPO group size the budget scales.")
-    n_min: int = Field(1, ge=1, description="Fewest rollouts per prompt.")
-    n_max: int = Field(32, ge=1, description="Most rollouts per prompt.")
-    eps_pre: float = Field(
-        0.05, gt=0.0, le=1.0, description="Lower clip of the stratification factor s_pre."
-    )
-    eps_abort: float = Field(
-        0.05, ge=0.0, le=1.0, description="Keep-probability of a marker-less rollout at K2+grace."
-    )
-    grace: int = Field(150, ge=0, description="Tokens allowed after the marker (and after K2).")
-    poll_every: int = Field(8, gt=0, description="Marker poll interval in tokens (from K1 on).")
-    marker_window: int = Field(
-        256, gt=0, description="Trailing tokens decoded for the marker check."
-    )
-    domain: Literal["math", "code", "qa"] = Field(
-        "math", description="Answer marker: \\boxed{} (math), closing fence (code), <answer> (qa)."
-    )
-    k_warmup: int = Field(
-        1, ge=1, description="Surrogate observations before a prompt uses its own s_hat."
-    )
-    s_floor: float = Field(
-        0.01, ge=0.0, description="Surrogate floor in epoch 1 (then frozen at p5 of sigma_obs)."
-    )
-    floor_min: float = Field(
-        0.0, ge=0.0, description="Lower bound of the frozen floor (0: the paper's p5 as is)."
-    )
-    length_window: int = Field(
-        1024, gt=0, description="Kept lengths in the window K1/K2 are fit to."
-    )
-    refit_every: int = Field(10, gt=0, description="Steps between K1/K2 refits.")
-    k1_min: int = Field(32, ge=0, description="Lower clamp of K1 (poll start).")
-    k2_gap: int = Field(50, ge=0, description="K2 is at least K1 + k2_gap.")
-    allocate: bool = Field(
-        True,
-        description="Neyman allocation of per-prompt counts; False (ablation): every prompt gets "
-        "round(b * n_ref) rollouts and s_pre = 1.",
-    )
-    early_stop: bool = Field(
-        True,
-        description="Marker-gated stop/abort in the engine; False (ablation): every rollout runs "
-        "to EOS or max_tokens and weights are 1 / s_pre.",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> DuetConfig:
-        if not self.n_min <= self.n_ref <= self.n_max:
-            raise ValueError(
-                f"n_ref={self.n_ref} must satisfy n_min={self.n_min} <= n_ref <= n_max={self.n_max}"
-            )
-        if self.b * self.n_ref < self.n_min:
-            raise ValueError(
-                f"b={self.b}: b * n_ref = {self.b * self.n_ref:g} is below n_min={self.n_min}, so "
-                "every prompt would get n_min rollouts and the budget could never bind"
-            )
-        if not self.allocate:
-            # raises naming b when the fixed count round(b * n_ref) leaves [n_min, n_max]
-            duet.fixed_count(self.b, self.n_ref, self.n_min, self.n_max)
-        return self
-
-
-class DroFilterConfig(Section):
-    """DRO's offline query filter (`rlvr filter`): keep the queries with the most R3 signal."""
-
-    group_size: int = Field(16, ge=2, description="Reference-model rollouts per scored query.")
-    token_frac: float = Field(
-        dro.DEFAULT_TOKEN_FRAC, gt=0.0, le=1.0, description="Top share of tokens by sigma in sbar."
-    )
-    query_frac: float = Field(
-        dro.DEFAULT_QUERY_FRAC, gt=0.0, le=1.0, description="Share of queries kept by sbar."
-    )
-    retention: float | None = Field(
-        None,
-        gt=0.0,
-        le=1.0,
-        description="Total share kept; above query_frac the rest are the lowest-certainty (hard) "
-        "queries (paper: 0.125-0.18). None keeps only the sbar share.",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> DroFilterConfig:
-        if self.retention is not None and self.retention < self.query_frac:
-            raise ValueError(f"retention={self.retention} must be >= query_frac={self.query_frac}")
-        return self
-
-
-class DroConfig(Section):
-    """DRO: reward a CoT by the policy's certainty of a reference answer, gated by rubrics."""
-
-    reward: Literal["r3", "avg_prob", "avg_logprob", "verifier"] = Field(
-        "r3",
-        description="'r3' (DRO), 'avg_prob' (RLPR), 'avg_logprob' (VeriFree) from the reference "
-        "certainties; 'verifier': the exact verifier's reward with the same loss (a baseline).",
-    )
-    omega: float = Field(
-        dro.DEFAULT_OMEGA, ge=0.0, description="Inverse temperature of R3's token emphasis."
-    )
-    clip_low: float = Field(
-        dro.DEFAULT_CLIP_LOW, ge=0.0, le=1.0, description="R3 clips certainties below this."
-    )
-    clip_high: float = Field(
-        dro.DEFAULT_CLIP_HIGH, ge=0.0, le=1.0, description="R3 clips certainties above this."
-    )
-    delimiter: str = Field(
-        "</think>",
-        description="Text ending the CoT, matched by token id in each of its tokenizations after "
-        "common preceding characters; '' scores the whole completion as the prefix (the "
-        "no-slicing ablation).",
-    )
-    separator: str = Field(
-        "\n\n", description="Fixed text between the delimiter and the reference answer."
-    )
-    scorer: Literal["generator", "trainer", "reference"] = Field(
-        "generator",
-        description="Who scores R3: the rollout weights in the GeneratorActor (vLLM prompt "
-        "log-probs) or the PolicyActor (forward pass), or the frozen reference model.",
-    )
-    gates: bool = Field(True, description="Reject groups that fail the rubric gates.")
-    judge: Literal["reference", "keyword"] = Field(
-        "reference",
-        description="Rubric author and judge: the frozen reference model on a generation backend, "
-        "or 'keyword': deterministic rules (items 'The response contains \"X\".').",
-    )
-    judge_max_tokens: int = Field(512, gt=0, description="Token budget of a rubric/judge reply.")
-    rubrics_path: str | None = Field(
-        None, description="Rubric cache (JSON); None: one per task, model and judge in the cache."
-    )
-    mu: int = Field(
-        dro.DEFAULT_MU, ge=1, description="Coverage: rollouts that must meet each item."
-    )
-    rho_g: float = Field(
-        dro.DEFAULT_RHO_G, gt=0.0, le=1.0, description="Consistency: top share of rollouts by R3."
-    )
-    nu: float = Field(
-        dro.DEFAULT_NU, ge=0.0, le=1.0, description="Consistency: share of items each must meet."
-    )
-    rho_ent: float = Field(
-        dro.DEFAULT_RHO_ENT,
-        gt=0.0,
-        le=1.0,
-        description="80/20 rule: share of completion tokens (top entropy) with policy gradient.",
-    )
-    beta: float = Field(
-        dro.DEFAULT_BETA, ge=0.0, description="k3 KL coefficient to the reference policy."
-    )
-    filter: DroFilterConfig = Field(default_factory=DroFilterConfig)
-
-    @model_validator(mode="after")
-    def _check(self) -> DroConfig:
-        if self.clip_low > self.clip_high:
-            raise ValueError(f"clip_low={self.clip_low} must be <= clip_high={self.clip_high}")
-        if self.gates and not self.delimiter:
-            raise ValueError("gates judge the final answer after the delimiter; set a delimiter")
-        if self.scorer == "reference" and self.judge != "reference":
-            raise ValueError("scorer='reference' needs the reference model (judge='reference')")
-        return self
-
-
-class TandemConfig(Section):
-    """Tandem RL: a frozen junior co-writes every training rollout; only senior tokens train."""
-
-    p: float = Field(
-        0.5, gt=0.0, le=1.0, description="Probability that the senior wins an author draw."
-    )
-    cap: int = Field(
-        32, ge=1, description="K: redraw the author after this many tokens without a word start."
-    )
-    junior_path: str | None = Field(
-        None,
-        description="Frozen junior ('tiny', 'tiny-llama', 'smollm2' or an HF directory with the "
-        "senior's tokenizer); None = the senior's starting weights (the base model).",
-    )
-
-
-class DapoConfig(Section):
-    """DAPO's dynamic sampling for GRPO: drop groups whose rewards are all equal and generate
-    groups for fresh prompts until prompts_per_step informative groups are collected."""
-
-    max_rounds: int = Field(
-        3, ge=1, description="Generation rounds per step, the first one included."
-    )
-
-
 OLD_METHOD_SWITCHES = {m: m for m in ("laconic", "duet", "dro", "tandem")} | {
     "dynamic_sampling": "dapo"
 }
@@ -600,8 +384,60 @@ def _old_switch_error(section: str, assign: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class MethodSpec:
+    """What the training config needs of a method (`rlvr.methods.base.register` records it)."""
+
+    section: type[Section] | None = None
+    """Its parameters, `algorithm.<name>` (None: it has none of its own)."""
+    check: Callable[[Config], None] | None = None
+    """Its checks across sections, run once the whole config is valid (raise ValueError)."""
+    overlaps_generation: bool = True
+    """Whether step t+1's rollouts may be collected while step t trains."""
+    engine_state: bool = False
+    """Whether it keeps per-sample state in the engine's process (a stop rule, an author
+    schedule), which tensor-parallel engine workers cannot share."""
+
+
+_METHOD_SPECS: dict[str, MethodSpec] = {}
+
+
+def register_method_spec(name: str, spec: MethodSpec) -> None:
+    """Make `algorithm.name: <name>` valid, with `spec`'s section and checks."""
+    _METHOD_SPECS[name] = spec
+    config_model.cache_clear()
+
+
+def import_builtin_methods() -> None:
+    """Import the `method` module of every package under rlvr/methods/ (each registers its
+    method); cheap after the first call. A method defined elsewhere registers when its module
+    is imported."""
+    where = importlib.util.find_spec("rlvr.methods").submodule_search_locations
+    for package in pkgutil.iter_modules(where, "rlvr.methods."):
+        if package.ispkg and importlib.util.find_spec(f"{package.name}.method"):
+            importlib.import_module(f"{package.name}.method")
+
+
+def method_names() -> list[str]:
+    """Every registered method's name."""
+    import_builtin_methods()
+    return sorted(_METHOD_SPECS)
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The registered method `name`'s spec; ValueError naming the registered ones."""
+    if name not in _METHOD_SPECS:
+        import_builtin_methods()
+    if name not in _METHOD_SPECS:
+        raise ValueError(
+            f"algorithm.name: unknown method {name!r}; choose one of {', '.join(method_names())}"
+        )
+    return _METHOD_SPECS[name]
+
+
 class AlgorithmConfig(Section):
-    """The training method (`name`) and each method's parameters in its own section."""
+    """The training method (`name`) and its parameters, in the section of the same name that
+    the method brings (`config_model`)."""
 
     name: str = Field(
         "grpo",
@@ -613,33 +449,29 @@ class AlgorithmConfig(Section):
         "group", description="'group' divides by group std; 'none' is Dr.GRPO."
     )
     advantage_eps: float = Field(1e-6, gt=0.0, description="Added to the group std.")
-    laconic: LaconicConfig = Field(default_factory=LaconicConfig)
-    duet: DuetConfig = Field(default_factory=DuetConfig)
-    dro: DroConfig = Field(default_factory=DroConfig)
-    tandem: TandemConfig = Field(default_factory=TandemConfig)
-    dapo: DapoConfig = Field(default_factory=DapoConfig)
 
     @model_validator(mode="before")
     @classmethod
-    def _no_enable_flags(cls, data: Any) -> Any:
-        # Methods used to be switched on by flags; say what replaces them instead of "unknown key".
+    def _sections_of_other_methods(cls, data: Any) -> Any:
+        # Methods used to be switched on by flags; say what replaces them instead of "unknown key",
+        # and name the method a stray section belongs to.
+        if not isinstance(data, dict):
+            return data
         for section in OLD_METHOD_SWITCHES:
-            given = data.get(section) if isinstance(data, dict) else None
+            given = data.get(section)
             if isinstance(given, dict) and "enabled" in given:
                 raise ValueError(_old_switch_error(section, ": "))
+        name = data.get("name", "grpo")
+        for key in data:
+            if key != name and key in _METHOD_SPECS and _METHOD_SPECS[key].section is not None:
+                raise ValueError(
+                    f"algorithm.{key}: parameters of method {key}, but algorithm.name is {name}"
+                )
         return data
 
     @model_validator(mode="after")
     def _known_method(self) -> AlgorithmConfig:
-        from rlvr.methods.base import registered
-
-        if self.name not in registered():
-            raise ValueError(
-                f"algorithm.name: unknown method {self.name!r}; choose one of "
-                f"{', '.join(registered())}"
-            )
-        if self.name == "laconic" and self.laconic.budget is None:
-            raise ValueError("algorithm.laconic.budget is required by LACONIC")
+        method_spec(self.name)
         return self
 
 
@@ -1061,17 +893,6 @@ class Config(Section):
                 f"training.warmup_steps: a {self.training.lr_schedule} lr schedule needs optimizer "
                 f"steps after the warm-up ({warmup} of {total})"
             )
-        lc, method = self.algorithm.laconic, self.algorithm.name
-        if method == "laconic":
-            max_tokens = self.generation.max_tokens
-            if lc.budget >= max_tokens:
-                raise ValueError(
-                    f"algorithm.laconic.budget={lc.budget} must be below generation.max_tokens="
-                    f"{max_tokens}: no response can exceed it, so it never constrains anything"
-                )
-            _, warning = laconic.resolve_lam_max(lc.lam_max, lc.budget, max_tokens)
-            if warning:
-                warnings.warn(f"algorithm.laconic.lam_max: {warning}", stacklevel=2)
         self._check_tensor_parallel()
         if self.engine_dtype != self.model.dtype and self.training.engine_is == "off":
             warnings.warn(
@@ -1095,18 +916,15 @@ class Config(Section):
                 "resources.colocate places on one GPU, in one NCCL group, and NCCL refuses two "
                 "ranks on one device; use colocated (or auto)"
             )
-        if method == "duet":
-            self._check_duet()
-        if method == "dro":
-            self._check_dro()
         if self.run.off_policy_steps:
             self._check_off_policy()
+        spec = method_spec(self.algorithm.name)
+        if spec.check is not None:
+            spec.check(self)
         return self
 
     def _check_off_policy(self) -> None:
-        from rlvr.methods.base import method_class
-
-        if not method_class(self.algorithm.name).overlaps_generation:
+        if not method_spec(self.algorithm.name).overlaps_generation:
             raise ValueError(
                 f"run.off_policy_steps: {self.algorithm.name} plans each step's rollouts from "
                 "the step before it, so the next step's cannot be generated ahead; use 0"
@@ -1130,60 +948,19 @@ class Config(Section):
             return
         if self.generation.backend != "vllm":
             raise ValueError("resources.generator_tp > 1 needs generation.backend: vllm")
-        if self.algorithm.name in ("duet", "tandem"):
-            # Their per-sample state (stop-rule trackers, the author schedule) lives in the
+        if method_spec(self.algorithm.name).engine_state:
+            # Its per-sample state (stop-rule trackers, the author schedule) lives in the
             # engine's own process and is read by a logits processor there; with TP the
             # processors run in vLLM's worker processes, which cannot see it.
             raise ValueError(
-                "resources.generator_tp > 1 cannot run DUET's stop rule or Tandem's junior: both "
-                "keep per-sample state in the engine's process, which tensor-parallel workers "
-                "do not share; use generator_engines for more generation instead"
+                f"resources.generator_tp > 1 cannot run {self.algorithm.name}: it keeps "
+                "per-sample state in the engine's process, which tensor-parallel workers do not "
+                "share; use generator_engines for more generation instead"
             )
         if r.generator_gpus and r.generator_gpus != r.generator_tp:
             raise ValueError(
                 f"resources.generator_gpus={r.generator_gpus:g} must equal "
                 f"resources.generator_tp={r.generator_tp} (one GPU per tensor-parallel worker)"
-            )
-
-    def _check_dro(self) -> None:
-        if self.training.kl_coef:
-            raise ValueError(
-                "training.kl_coef: DRO sets its KL coefficient with algorithm.dro.beta; leave "
-                "training.kl_coef at 0"
-            )
-        if self.algorithm.dro.gates and self.algorithm.dro.reward == "verifier":
-            raise ValueError(
-                "algorithm.dro.gates: the verifier-reward baseline runs without rubric gates"
-            )
-
-    def _check_duet(self) -> None:
-        du, max_tokens = self.algorithm.duet, self.generation.max_tokens
-        if self.algorithm.advantage_scale != "group":
-            raise ValueError(
-                "algorithm.advantage_scale must be 'group' with DUET (its advantages are "
-                "group-normalised, Eq. 6 of arXiv:2605.08441)"
-            )
-        if not (du.allocate or du.early_stop):
-            raise ValueError(
-                "algorithm.duet.allocate and algorithm.duet.early_stop are both false: that is "
-                "plain GRPO with round(b * n_ref) rollouts per prompt; turn one of them on or use "
-                "generation.group_size"
-            )
-        if du.grace >= max_tokens:
-            raise ValueError(
-                f"algorithm.duet.grace={du.grace} must be below generation.max_tokens={max_tokens}"
-            )
-        if du.k1_min >= max_tokens:
-            raise ValueError(
-                f"algorithm.duet.k1_min={du.k1_min} must be below generation.max_tokens="
-                f"{max_tokens}: the marker would never be polled after the first K1 refit"
-            )
-        gate = int(0.7 * max_tokens) + du.grace
-        if gate >= max_tokens:
-            warnings.warn(
-                f"algorithm.duet.grace: the cold abort gate K2 + grace = {gate} is not below "
-                f"generation.max_tokens={max_tokens}; no rollout is aborted before K2 is refit",
-                stacklevel=3,
             )
 
     @property
@@ -1198,306 +975,78 @@ class Config(Section):
         total = self.run.steps * t.mini_batches * t.epochs
         return t.warmup_steps or round(t.warmup_ratio * total), total
 
-    def duet_controller(self) -> dict[str, Any] | None:
-        """Keyword arguments of the controller's `DuetController`, or None when disabled."""
-        du = self.algorithm.duet
-        if self.algorithm.name != "duet":
-            return None
-        return {
-            "b": du.b,
-            "max_len": self.generation.max_tokens,
-            "n_ref": du.n_ref,
-            "n_min": du.n_min,
-            "n_max": du.n_max,
-            "eps_pre": du.eps_pre,
-            "k_warmup": du.k_warmup,
-            "s_floor": du.s_floor,
-            "floor_min": du.floor_min,
-            "length_window": du.length_window,
-            "refit_every": du.refit_every,
-            "k1_min": du.k1_min,
-            "k2_gap": du.k2_gap,
-            "allocate": du.allocate,
-        }
-
-    def duet_stop(self, k1: int, k2: int, step: int) -> dict[str, Any] | None:
-        """Settings of one step's `StopControllerFactory` (all but the decode function and the
-        request sizes, which the GeneratorActor supplies); None when the `early_stop` ablation
-        is off, so no stop rule runs in the engine."""
-        du = self.algorithm.duet
-        if not du.early_stop:
-            return None
-        return {
-            "k1": k1,
-            "k2": k2,
-            "base_seed": self.run.seed,
-            "step": step,
-            "domain": du.domain,
-            "grace": du.grace,
-            "eps_abort": du.eps_abort,
-            "poll_every": du.poll_every,
-            "window": du.marker_window,
-        }
-
-    def laconic_dual(self) -> dict[str, float] | None:
-        """Keyword arguments of the controller's `laconic.DualState`, or None when disabled."""
-        lc = self.algorithm.laconic
-        if self.algorithm.name != "laconic":
-            return None
-        lam_max, _ = laconic.resolve_lam_max(lc.lam_max, lc.budget, self.generation.max_tokens)
-        return {"budget": lc.budget, "eta": lc.eta, "lam_max": lam_max, "lam": lc.lam_init}
-
     def vllm_on_cpu(self) -> bool:
         """Whether generation runs on vLLM's CPU backend: vLLM engines given no GPU (vLLM then
         finds no CUDA device in the engine's actor)."""
-        return self.generation.backend == "vllm" and not self.resources.generator_gpus
-
-    def check_cpus(self, available: float) -> None:
-        """Fail before any actor starts when the actors ask for more CPUs than the cluster has."""
-        self.check_cluster([{"CPU": available}], strict_placement=False)
-
-    def check_cluster(self, nodes: list[dict[str, float]], strict_placement: bool = True) -> None:
-        """Fail before any actor starts when the layout cannot fit the cluster's nodes (each a
-        dict of its resources), naming the keys to change: a resource short in total, or a
-        STRICT_SPREAD / STRICT_PACK placement the node count or the largest node cannot hold."""
-        r = self.resources
-        keys = {
-            "CPU": "resources.policy_ranks / policy_cpus / generator_engines / generator_cpus / "
-            "verifier_cpus or num_verifiers",
-            "GPU": "resources.policy_ranks / policy_gpus / generator_engines / generator_gpus",
-        }
-        for resource, need in r.demand().items():
-            have = sum(node.get(resource, 0.0) for node in nodes)
-            if need > have + 1e-9:
-                what = "CPUs" if resource == "CPU" else "GPUs" if resource == "GPU" else resource
-                lower = keys.get(resource, "resources.policy_resources / generator_resources")
-                raise ConfigError(
-                    f"invalid config: resources: the actors need {need:g} {what} but "
-                    f"{have:g} are available; lower {lower}"
-                )
-        if not strict_placement:
-            return
-        for group in plan_placement(r).groups:
-            self._check_group(group, nodes)
-
-    def _check_group(self, group: GroupPlan, nodes: list[dict[str, float]]) -> None:
-        """One placement group against the nodes: every bundle fits some node, STRICT_SPREAD has a
-        node per bundle, STRICT_PACK a node for all of them."""
-        key = {"policy": "policy_strategy", "generator": "generator_strategy"}.get(
-            group.role, "placement_strategy"
-        )
-        key = f"resources.{key}"
-
-        def fits(need: dict[str, float], node: dict[str, float]) -> bool:
-            return all(node.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
-
-        actors = {
-            "models": "model actors (resources.policy_ranks + generator_engines)",
-            "policy": "policy ranks (resources.policy_ranks)",
-            "generator": "engines (resources.generator_engines)",
-            "colocated": "rank + engine pairs (resources.policy_ranks)",
-        }[group.role]
-        for bundle in group.bundles:
-            if not any(fits(bundle, node) for node in nodes):
-                raise ConfigError(
-                    f"invalid config: resources: no node has {bundle}, the bundle of one of the "
-                    f"{actors}"
-                )
-        if group.strategy == "STRICT_SPREAD" and len(group.bundles) > len(nodes):
-            raise ConfigError(
-                f"invalid config: {key}: STRICT_SPREAD puts each of the {len(group.bundles)} "
-                f"{actors} on its own node, but the cluster has {len(nodes)}"
-            )
-        if group.strategy == "STRICT_PACK":
-            need: dict[str, float] = {}
-            for bundle in group.bundles:
-                need = merge_bundles(need, bundle)
-            if not any(fits(need, node) for node in nodes):
-                raise ConfigError(
-                    f"invalid config: {key}: STRICT_PACK puts all {actors} on one node, and no "
-                    f"node has {need}"
-                )
+        return vllm_on_cpu(self.generation.backend, self.resources.generator_gpus)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """A pydantic error as one line per problem, each naming its dotted key."""
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        # a section's check that names a key below it already says where
-        names_key = key == "<root>" or msg.startswith(f"{key}.")
-        lines.append(msg if names_key else f"{key}: {msg}")
-    return "invalid config: " + "; ".join(lines)
+@functools.cache
+def config_model(method: str) -> type[Config]:
+    """The training config's model for `method`: `Config` whose `algorithm` section holds the
+    method's own section (`algorithm.<method>`), when it brings one."""
+    section = method_spec(method).section
+    if section is None:
+        return Config
+    algorithm = create_model(
+        f"AlgorithmConfig[{method}]",
+        __base__=AlgorithmConfig,
+        **{method: (section, Field(default_factory=section, description=section.__doc__))},
+    )
+    return create_model(
+        f"Config[{method}]",
+        __base__=Config,
+        algorithm=(algorithm, Field(default_factory=algorithm)),
+    )
 
 
-def _unknown_key(dotted: str, path: list[str]) -> str:
-    """The error for an unknown key `dotted` of the override `path`; the old per-method switches
-    (`algorithm.<method>.enabled`) say what replaced them."""
+def _method_named(data: dict[str, Any]) -> str:
+    """The method a raw config names (grpo when none)."""
+    algorithm = data.get("algorithm")
+    name = algorithm.get("name", "grpo") if isinstance(algorithm, dict) else "grpo"
+    return name if isinstance(name, str) else "grpo"
+
+
+def _unknown_key(method: str, dotted: str, path: list[str]) -> str:
+    """The error for an unknown key `dotted` of the override `path` when `method` runs; the old
+    per-method switches (`algorithm.<method>.enabled`) and other methods' sections say what to
+    write instead."""
     old_switch = path[0] == "algorithm" and path[2:] == ["enabled"]
     if old_switch and path[1] in OLD_METHOD_SWITCHES:
         return _old_switch_error(path[1], "=")
+    other = path[0] == "algorithm" and len(path) > 1 and path[1] != method
+    if other and path[1] in _METHOD_SPECS:
+        return f"algorithm.{path[1]}: parameters of method {path[1]}; set algorithm.name={path[1]}"
     return f"{dotted}: unknown key"
 
 
-class _Yaml12Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's booleans: only true and false, so that a setting's
-    'off' (training.engine_is, resources.engine_sleep) or a 'yes' stays the string it reads as."""
-
-
-_Yaml12Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-)
-
-
-def load_yaml(text: str) -> Any:
-    """A config document (or an override's value) as Python data, with YAML 1.2 booleans."""
-    return yaml.load(text, Loader=_Yaml12Loader)  # a SafeLoader: no arbitrary objects
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """Split 'a.b=c' into (['a', 'b'], value parsed as YAML)."""
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like key.path=value")
-    key, raw = item.split("=", 1)
-    if not key:
-        raise ConfigError(f"override {item!r} has an empty key")
-    return key.split("."), load_yaml(raw) if raw else ""
-
-
-def apply_overrides(
-    data: dict[str, Any], overrides: list[str], check_keys: bool = True, kind: str = "config"
-) -> dict[str, Any]:
-    """Apply `--set a.b=c` overrides to raw YAML data; errors read "invalid {kind}: KEY: why".
-
-    With `check_keys` a path outside the training `Config` fails here naming the key (its
-    sections hold no list items); without, unknown keys are left to the caller's validation and
-    list items are addressed by index (serve's csa.streams.0.alpha).
-    """
-    known = Config().to_dict() if check_keys else None
-    sections = dict if check_keys else dict | list
-    for item in overrides:
-        path, value = parse_override(item)
-        node: Any = data
-        schema = known
-        for i, part in enumerate(path):
-            dotted = ".".join(path[: i + 1])
-            if check_keys:
-                if not isinstance(schema, dict) or part not in schema:
-                    raise ConfigError(f"invalid {kind}: {_unknown_key(dotted, path)}")
-                schema = schema[part]
-            key: str | int = part
-            if isinstance(node, list):
-                if not part.isdigit() or int(part) >= len(node):
-                    raise ConfigError(f"invalid {kind}: {dotted}: no such list item")
-                key = int(part)
-            if i == len(path) - 1:
-                node[key] = value
-            else:
-                node = node[key] if isinstance(node, list) else node.setdefault(part, {})
-                if not isinstance(node, sections):
-                    raise ConfigError(f"invalid {kind}: {dotted}: is not a section")
-    return data
-
-
 def config_from_dict(data: dict[str, Any]) -> Config:
+    """The validated training config of raw data (its method's model, `config_model`)."""
     try:
-        return Config.model_validate(data)
+        model = config_model(_method_named(data))
+    except ValueError as err:
+        raise ConfigError(f"invalid config: {err}") from None
+    try:
+        return model.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
 
 
-def presets() -> dict[str, Path]:
-    """The presets shipped with the package, by name (`tiny` -> .../configs/tiny.yaml)."""
-    from importlib.resources import files
-
-    root = Path(str(files("configs")))
-    return {p.stem: p for p in sorted(root.glob("*.yaml"))}
-
-
-def resolve_config_path(path: str | Path, kind: str = "config") -> Path:
-    """`path` when that file exists, else the shipped preset of that name (`tiny`, `tiny.yaml`,
-    `configs/tiny.yaml`: the same preset from any directory); ConfigError naming the presets."""
-    path = Path(path)
-    if path.is_file():
-        return path
-    shipped = presets()
-    name = path.stem if path.suffix in (".yaml", ".yml") else path.name
-    if path.parent in (Path("."), Path("configs")) and name in shipped:
-        return shipped[name]
-    raise ConfigError(f"{kind} file not found: {path} (shipped presets: {', '.join(shipped)})")
-
-
-def read_yaml_sections(path: str | Path | None, kind: str = "config") -> dict[str, Any]:
-    """The mapping of sections in a YAML file or shipped preset ({} for none), or a ConfigError
-    saying why not."""
-    if path is None:
-        return {}
-    path = resolve_config_path(path, kind)
-    loaded = load_yaml(path.read_text())
-    if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of sections")
-    return loaded or {}
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML preset (or the defaults), apply overrides, validate."""
-    data = apply_overrides(read_yaml_sections(path), overrides or [])
+    """Load a YAML preset (or the defaults), apply overrides, validate. The method is read first
+    (an override may choose it), so that the keys of its own section are known."""
+    data = read_yaml_sections(path)
+    overrides = overrides or []
+    chosen = [item for item in overrides if item.split("=", 1)[0] == "algorithm.name"]
+    apply_overrides(data, chosen)
+    method = _method_named(data)
+    try:
+        model = config_model(method)
+    except ValueError as err:
+        raise ConfigError(f"invalid config: {err}") from None
+    unknown_key = functools.partial(_unknown_key, method)
+    apply_overrides(data, overrides, known=key_tree(model), unknown_key=unknown_key)
     return config_from_dict(data)
-
-
-def check_model_for_backend(cfg: Config | ServeConfig, model_dir: Path) -> None:
-    """Checks that need the resolved model: its context length, and where vLLM runs on CPU
-    (`vllm_on_cpu`) the head sizes its CPU attention kernels accept (GPU kernels take others)."""
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise ConfigError(
-            f"invalid config: model.path: {model_dir} holds no config.json (not a HF model directory)"
-        )
-    hf = json.loads(config_file.read_text())
-    hf = hf.get("text_config") or hf  # a multimodal config nests its language model's
-    head_dim = hf.get("head_dim")
-    if head_dim is None and "hidden_size" in hf and "num_attention_heads" in hf:
-        head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-    if cfg.vllm_on_cpu() and head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
-        raise ConfigError(
-            f"invalid config: model.path: head size {head_dim} is not supported by vLLM's CPU kernels "
-            f"(supported: {VLLM_CPU_HEAD_SIZES}); use generation.backend=hf, GPUs for the engines "
-            "or another model"
-        )
-    if cfg.generation.max_model_len > hf.get(
-        "max_position_embeddings", cfg.generation.max_model_len
-    ):
-        raise ConfigError(
-            f"invalid config: generation.max_model_len: {cfg.generation.max_model_len} exceeds the model's "
-            f"max_position_embeddings {hf['max_position_embeddings']}"
-        )
-
-
-def check_lora_targets(cfg: Config, model_dir: Path) -> None:
-    """With LoRA on, `model.lora.target_modules` must name some layer of the model (the defaults
-    fit Qwen2 and Llama, not every architecture): PEFT would refuse only inside the PolicyActor."""
-    lora = cfg.model.lora
-    if not lora.enabled:
-        return
-    from transformers import AutoConfig
-
-    from rlvr.generation.hf_backend import hf_weight_names
-
-    params, _ = hf_weight_names(AutoConfig.from_pretrained(model_dir))
-    modules = {name.rsplit(".", 1)[0] for name in params}
-    if not any(m == t or m.endswith(f".{t}") for m in modules for t in lora.target_modules):
-        leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
-        raise ConfigError(
-            f"invalid config: model.lora.target_modules: none of {lora.target_modules} is a "
-            f"layer of {model_dir} (its layers: {', '.join(leaves)})"
-        )
