@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-fast demo lint format bench clean trl-env
+.PHONY: setup test test-fast demo lint format bench clean trl-env gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -44,6 +44,15 @@ lint:
 
 format:
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# bench/gpu_check.py: the CUDA paths in one call on one GPU (its docstring says what it checks).
+# A GPU machine has no .venv: its own python runs the check, with the wheels gpu-wheels fetched.
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python)
+gpu-check:
+	$(GPU_PY) bench/gpu_check.py
+
+gpu-wheels: setup
+	$(PY) bench/gpu_check.py --download-wheels wheels
 
 # TRL in its own environment for bench/vs_trl.py only; never a dependency of the project.
 TRL_VENV := .venv-trl

@@ -202,6 +202,8 @@ class PolicyTrainer:
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
         )
+        if zero_stage == 0 and dtype == "bfloat16":
+            _forget_initialising_step(self.engine.optimizer)
         if self.world_size == 1 and zero_stage == 0:
             # Alone, the gradient all-reduce is an identity (a sum over one rank, times 1.0) that
             # still copies every gradient into one flat buffer and back: a model-sized transient
@@ -747,6 +749,18 @@ class PolicyTrainer:
         self.steps = client_state["steps"]
         torch.set_rng_state(client_state["cpu_rng"])
         get_accelerator().set_rng_state(client_state["accelerator_rng"])
+
+
+def _forget_initialising_step(optimizer: Any) -> None:
+    """Undo the optimizer step DeepSpeed's bf16 wrapper at ZeRO stage 0 (`FP16_UnfusedOptimizer`)
+    takes on zero gradients to create its state: AdamW's step count would start at 1, so every
+    update took the next step's bias corrections (the first moved each weight 0.74 lr, not lr),
+    and weight decay had shrunk the fp32 master weights once before training. The state is made
+    again at the first real step; the masters are the model's weights again."""
+    optimizer.optimizer.state.clear()
+    for masters, weights in zip(optimizer.fp32_groups, optimizer.fp16_groups, strict=True):
+        for master, weight in zip(masters, weights, strict=True):
+            master.data.copy_(weight.data)
 
 
 def _top_layers(model: PreTrainedModel, top: int | None) -> list[int] | None:

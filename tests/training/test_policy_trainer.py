@@ -219,6 +219,26 @@ def test_chunked_lm_head_under_zero3_lora(model_dir):
     torch.testing.assert_close(ref2[mask], ref0[mask], rtol=0, atol=1e-5)
 
 
+def test_bf16_at_stage_0_takes_adamw_first_step(model_dir, step_with_grads):
+    """DeepSpeed's bf16 optimizer at ZeRO 0 creates its state by a step on zero gradients; the
+    trainer forgets that step, so the first update is AdamW's first: w (1 - lr wd) - lr g / (|g| +
+    eps) (with it, 0.74 lr and the decay twice)."""
+    lr, wd = 1e-2, 0.5
+    trainer = make_trainer(model_dir, dtype="bfloat16", lr=lr, weight_decay=wd, grad_clip=1e9)
+    params = dict(trainer.engine.module.named_parameters())
+    before = {name: p.detach().double() for name, p in params.items()}
+    _, grads = step_with_grads(trainer, make_batch())
+    assert grads.keys() == params.keys()
+    for name, p in params.items():
+        g = grads[name].double()
+        expected = before[name] * (1 - lr * wd) - lr * g / (g.abs() + 1e-8)
+        # the fp32 master holds it to fp32 rounding, the bf16 weight rounds that: within one
+        # bf16 ulp (8 significant bits) of it
+        _, exponent = torch.frexp(expected)
+        ulp = torch.ldexp(torch.ones_like(expected), exponent - 8)
+        assert ((p.detach().double() - expected).abs() <= ulp).all(), name
+
+
 @pytest.fixture(scope="module")
 def stage0_run(model_dir) -> tuple[list[dict[str, float]], torch.Tensor, dict[str, torch.Tensor]]:
     trainer = make_trainer(model_dir, zero_stage=0)
