@@ -112,8 +112,8 @@ def train_once(
     the reference takes them). ``names`` picks the compared tensors (default `compared_names`)."""
     from deepspeed.utils import safe_get_full_grad
 
-    from rlvr.training.settings import LoraSettings
     from rlvr.training.policy_trainer import PolicyTrainer
+    from rlvr.training.settings import LoraSettings
 
     trainer = PolicyTrainer(
         model_dir,
