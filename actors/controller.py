@@ -10,7 +10,7 @@ from typing import Any
 
 from rlvr.methods.state import ControllerState
 from rlvr.run.controller import TrainingController
-from rlvr.serving.streams import CSAStreamHost, StreamSpec
+from rlvr.serving.stream_host import CSAStreamHost, StreamSpec
 
 NAMESPACE = "rlvr"
 
@@ -60,7 +60,7 @@ class ControllerActor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state.load_state_dict(state)
 
-    # CSA streams (rlvr.serving.streams): this actor is their only writer, so seq order is the filtration.
+    # CSA streams (rlvr.serving.stream_host): this actor is their only writer, so seq order is the filtration.
 
     def _csa(self) -> CSAStreamHost:
         if self.csa is None:

@@ -29,7 +29,7 @@ import numpy as np
 
 from rlvr.algorithms.csa import Calibrator, CSABatch, CSAController, make_grid
 from rlvr.algorithms.csa.baselines import BASELINES
-from rlvr.algorithms.csa.streams import (
+from rlvr.algorithms.csa.simulation import (
     REPLAY_CELLS,
     SYNTHETIC_CELLS,
     logistic_fail_prob,
@@ -204,7 +204,7 @@ def plot(traces: dict, out: Path) -> list[Path]:
 
 def overhead(rounds: int, durable_rounds: int, seed: int) -> dict[str, dict[str, float]]:
     """Median and p90 microseconds of decide + observe per round, one stream, labels in order."""
-    from rlvr.serving.streams import CSAStreamHost, StreamSpec
+    from rlvr.serving.stream_host import CSAStreamHost, StreamSpec
 
     st = synthetic_cell("iid", 1, rounds, seed)
     scores, passed = st.scores[0].tolist(), st.passed[0].tolist()

@@ -294,7 +294,7 @@ def main() -> None:
     from rlvr.config import load_config
     from rlvr.models import resolve_model_path
     from rlvr.tasks import load_task
-    from workflows.live import LiveUpdater
+    from workflows.live_updater import LiveUpdater
     from workflows.serve import prepare_serve, start_serving
     from workflows.train import prepare
 

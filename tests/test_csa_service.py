@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from rlvr.algorithms.csa import AlreadyLabelledError, CSAController, UnknownSeqError
-from rlvr.serving.streams import (
+from rlvr.serving.stream_host import (
     SEQ_BLOCK,
     CSAStreamHost,
     LabelSourceError,

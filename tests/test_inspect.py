@@ -1,4 +1,4 @@
-"""rlvr.run.live on a synthetic run directory: loading (torn lines, newest checkpoint) and the plot."""
+"""rlvr.run.views on a synthetic run directory: loading (torn lines, newest checkpoint) and the plot."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from rlvr.run.live import ROLLOUT_COLUMNS, load_run, metrics_frame, plot_overview, rollouts_frame
 from rlvr.run.rundir import RunDir
+from rlvr.run.views import ROLLOUT_COLUMNS, load_run, metrics_frame, plot_overview, rollouts_frame
 
 TIMES = {"time_generate": 2.0, "time_verify": 0.5, "time_train": 1.0, "time_sync": 0.25}
 

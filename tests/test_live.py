@@ -9,14 +9,14 @@ import pytest
 
 from rlvr.config import ConfigError
 from rlvr.serving.config import load_serve_config
-from rlvr.serving.live import (
+from rlvr.serving.live_updates import (
     UpdaterState,
     adapter_version,
     merged_lora_weights,
     round_seqs,
     shuffled_batches,
 )
-from rlvr.serving.streams import CSAStreamHost, PredictabilityError, StreamSpec
+from rlvr.serving.stream_host import CSAStreamHost, PredictabilityError, StreamSpec
 
 SPEC = StreamSpec(alpha=0.5, delta=0.1, grid=(0.05, 0.1, 0.3))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlvr.run.live import load_run, plot_overview
+from rlvr.run.views import load_run, plot_overview
 
 
 def plot_run(run_path: Path) -> list[Path]:

@@ -10,7 +10,7 @@ otherwise POST /v1/feedback with the operator key; a label overdue past the stre
 counts as a failure. Prompts are rendered as the calibration rendered its own, and every sample
 uses the calibrated K, temperature, top_p and max_tokens: the score has one definition per epoch.
 
-With `live.enabled`, the driver also runs the live updater (`workflows.live`): every
+With `live.enabled`, the driver also runs the live updater (`workflows.live_updater`): every
 `live.round_size` closed rounds of the live stream become a LoRA update, published at a seq
 boundary. Each replica starts on the newest published version, and a thread of its own looks for
 a newer one every `live.poll_s` seconds, merges the adapter into the base weights off the request
@@ -72,8 +72,8 @@ from rlvr.serving.api import (
     vote,
 )
 from rlvr.serving.config import ServeConfig
-from rlvr.serving.live import UPDATER_FILE, UpdaterState, adapter_dir, merged_lora_weights
-from rlvr.serving.streams import LabelSourceError, StreamSpec, UnknownStreamError
+from rlvr.serving.live_updates import UPDATER_FILE, UpdaterState, adapter_dir, merged_lora_weights
+from rlvr.serving.stream_host import LabelSourceError, StreamSpec, UnknownStreamError
 from rlvr.tasks.prompts import render_messages, render_text
 from rlvr.training.rendezvous import LOOPBACK, bind_collectives
 from workflows.calibrate import with_adapter
@@ -682,7 +682,7 @@ def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
         if not cfg.live.enabled:
             while True:
                 time.sleep(3600)
-        from workflows.live import LiveUpdater
+        from workflows.live_updater import LiveUpdater
 
         updater = LiveUpdater(cfg, prepared.settings.model_dir, controller)
         print(

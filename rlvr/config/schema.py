@@ -778,9 +778,6 @@ class ResourcesConfig(Section):
             add({"CPU": self.verifier_cpus}, self.num_verifiers)
         return {k: v for k, v in need.items() if v > 0}
 
-    def total_cpus(self) -> float:
-        return self.demand().get("CPU", 0.0)
-
 
 def _bundle(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **custom}

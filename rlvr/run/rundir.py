@@ -193,9 +193,6 @@ class RunDir:
         """One line per recovery from a lost actor (never truncated: the run's history)."""
         self._append(self.recoveries_file, record)
 
-    def read_recoveries(self) -> list[dict[str, Any]]:
-        return self._read(self.recoveries_file)
-
     def truncate_logs_after(self, step: int) -> None:
         """Drop log records of steps after `step` (they belong to an uncommitted step)."""
         for file in (self.metrics_file, self.eval_file, self.rollouts_file):

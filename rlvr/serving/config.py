@@ -22,7 +22,7 @@ from rlvr.config import (
     vllm_on_cpu,
 )
 from rlvr.serving.access import API_KEYS_ENV, OPERATOR_KEY_ENV, OPERATOR_KEY_FILE, check_key
-from rlvr.serving.streams import STREAM_NAME, StreamSpec
+from rlvr.serving.stream_host import STREAM_NAME, StreamSpec
 
 
 class ServeModelConfig(Section):
@@ -68,7 +68,8 @@ class StreamConfig(Section):
     drift_budget: float = Field(
         0.0,
         ge=0.0,
-        description="Drift budget nu (CSA Thm 5.1; digest A9): the e-processes test the budget "
+        description="Drift budget nu (CSA Thm 5.1; our reading of its undefined drift-adjusted "
+        "e-process): the e-processes test the budget "
         "alpha + nu and the realised risk is bounded by alpha + nu + slack(N), so nu > 0 "
         "certifies sooner at a looser guarantee. 0 (the paper's choice in every live cell) is "
         "the exact CSA test; must keep alpha + nu < 1.",

@@ -35,7 +35,7 @@ from rlvr.algorithms.csa.baselines import (
     NEXConf,
     marginal_eprocess,
 )
-from rlvr.algorithms.csa.streams import (
+from rlvr.algorithms.csa.simulation import (
     Streams,
     flip_labels,
     g0_selective_risk,

@@ -13,7 +13,7 @@ from scipy import stats
 
 from rlvr.algorithms.csa import CSAController, plugin_bet
 from rlvr.algorithms.csa.diagnostics import BrierMonitor
-from rlvr.algorithms.csa.streams import logistic_fail_prob, make_streams, summarise
+from rlvr.algorithms.csa.simulation import logistic_fail_prob, make_streams, summarise
 
 ALPHA, DELTA = 0.3, 0.1
 GRID2 = [0.2, 0.5]

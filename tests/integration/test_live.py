@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from rlvr.serving.live import merged_lora_weights
+from rlvr.serving.live_updates import merged_lora_weights
 from rlvr.tasks.prompts import prompt_messages
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ def serve_round(server, problems, index: int) -> list[dict]:
 def test_verified_rounds_become_versions_the_replicas_serve(live_server, problems):
     import ray
 
-    from workflows.live import LiveUpdater
+    from workflows.live_updater import LiveUpdater
 
     server, cfg = live_server, live_server["cfg"]
     base = server["prepared"].policy
@@ -241,7 +241,7 @@ def test_the_grpo_option_samples_verifies_and_publishes(live_server, problems):
     probability 0.73: 12 groups all without are a 1e-7 event.)"""
     import ray
 
-    from workflows.live import LiveUpdater
+    from workflows.live_updater import LiveUpdater
 
     server, cfg = live_server, live_server["cfg"]
     controller = server["controller"]

@@ -237,7 +237,7 @@ class CSAController:
     instance.
 
     Drift budget nu = `drift_budget` (Theorem 5.1, App. B.5 (ii); the paper never defines its
-    "drift-adjusted e-process", so we take the digest's reading A9): every increment becomes
+    "drift-adjusted e-process", so we take its natural reading): every increment becomes
     X_t(q) - nu A_t(q) = A_t(q)((1 - V_t) - (alpha + nu)), i.e. the e-processes test the budget
     alpha + nu (bet and cap from `plugin_bet` at alpha + nu), and the monitored bound is Eq. 3's
     alpha + nu_bar_T + slack(N_T), nu_bar_T the mean nu over released rounds. nu = 0, the default
@@ -381,8 +381,8 @@ class CSAController:
         seq, release nothing and stay out of the realised-risk counters and the Brier monitor
         (whose baseline must describe the served traffic it is compared with). They must come
         from the policy and score map the epoch serves and be disjoint from the items that fit g
-        and the grid (digest A6: reused items bias the test). Allowed once per epoch, before any
-        of its rounds is applied.
+        and the grid (App. B.5's warm start; reused items would bias the test). Allowed once per
+        epoch, before any of its rounds is applied.
         """
         scores = [float(s) for s in scores]
         labels = [bool(p) for p in passed]
@@ -429,7 +429,7 @@ class CSAController:
         An update trained on labels up to `trained_through` may serve only later rounds, so those
         labels must already be applied (Assumption 4.2 (P)). A new scorer changes the score map
         and therefore starts a new epoch (reason "scorer") unless the current epoch has no rounds
-        yet: the digest's R5 (our choice: certificates earned under the old map say nothing about
+        yet (our choice: certificates earned under the old map say nothing about
         the new one, and a retrained surrogate may break frontier monotonicity); a new policy alone
         does not (Assumption 4.2 (P) allows one update between rounds).
         """

@@ -3,8 +3,8 @@ recipe for the multi-epoch variant", item (iii b)).
 
 The paper: "a sustained Brier increase of >20% over the warmup baseline is a leading indicator that
 the frontier may have dropped and an early epoch reset is warranted", monitored "over a sliding
-window". It fixes neither the window, the warm-up nor "sustained"; `BrierMonitor` is our reading
-(the digest's section 2.9 and A12 ask for it, decided from F_{t-1} information only).
+window". It fixes neither the window, the warm-up nor "sustained"; `BrierMonitor` is our reading,
+decided from F_{t-1} information only so that a reset stays predictable (Assumption 4.2).
 """
 
 from __future__ import annotations

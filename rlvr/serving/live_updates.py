@@ -1,6 +1,6 @@
 """Live learning under the certificate: Expert-Iteration rounds from served, verified traffic.
 
-arXiv:2605.20270 Sec. 6.2 and digest 2.8: the policy is constant within a round of `round_size`
+arXiv:2605.20270 Sec. 6.2 and Assumption 4.2 (P): the policy is constant within a round of `round_size`
 requests; between rounds a LoRA update is trained on that round's verifier-correct (prompt,
 answer) pairs only, and published to serve later seqs (rule R2). This module holds the pure parts:
 the updater's durable progress, a published version's name, the mini-batches, and the merge of

@@ -33,7 +33,7 @@ from rlvr.algorithms.advantages import group_advantages
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.serving.config import ServeConfig
-from rlvr.serving.live import (
+from rlvr.serving.live_updates import (
     UPDATER_FILE,
     UpdaterState,
     adapter_dir,
