@@ -1,5 +1,5 @@
 """The live updater: Expert-Iteration LoRA updates from served, verified traffic (arXiv:2605.20270
-Sec. 6.2; digest 2.8 and 3.2).
+Sec. 6.2, updates predictable under Assumption 4.2).
 
 EI round r is seqs [r * round_size, (r + 1) * round_size) of the live stream. Once every one of
 them is applied (closed: labelled, or expired as a failure), a PolicyActor (DeepSpeed, LoRA) takes
@@ -24,14 +24,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 from transformers import AutoTokenizer
 
 from actors.policy import PolicyActor
-from rlvr.algorithms.advantages import group_advantages
+from rlvr.algorithms.groups import group_rows
+from rlvr.config import Config
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.methods.grpo.shaping import shape_grpo
 from rlvr.serving.config import ServeConfig
 from rlvr.serving.live_updates import (
     UPDATER_FILE,
@@ -43,7 +46,12 @@ from rlvr.serving.live_updates import (
 )
 from rlvr.training.batch import build_batch
 from rlvr.training.rendezvous import LOOPBACK
+from rlvr.training.rollouts import Rollouts
 from rlvr.verifiers.math import MathVerifier
+from workflows.workers import Worker
+
+GRPO_DEFAULTS = Config()
+"""The training config's defaults: GRPO's group-normalised advantages, as a training run's."""
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +73,7 @@ class LiveUpdater:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = tokenizer.pad_token_id
         self.pad_id = tokenizer.eos_token_id if pad is None else pad
-        self.policy = (
+        actor = (
             ray.remote(PolicyActor)
             .options(num_cpus=self.live.cpus)
             .remote(
@@ -81,10 +89,11 @@ class LiveUpdater:
                 temperature=self.live.temperature if self.live.algorithm == "grpo" else 1.0,
             )
         )
-        ray.get(self.policy.ready.remote())
+        self.policy = Worker(actor, "live PolicyActor")
+        self.policy.run("ready")
         latest = self.state.latest
         if latest is not None:
-            ray.get(self.policy.load_state.remote(latest["state"]))
+            self.policy.run("load_state", latest["state"])
             # A crash may have come between saving the state and publishing: publish again.
             self._publish(latest)
 
@@ -102,7 +111,7 @@ class LiveUpdater:
 
     def close(self) -> None:
         """Stop the updater's policy rank and engine (its progress is on disk)."""
-        ray.kill(self.policy)
+        ray.kill(self.policy.target)
         if self._engine is not None:
             self._engine.close()
 
@@ -145,7 +154,7 @@ class LiveUpdater:
             # Unit advantages on-policy: the clipped surrogate's gradient at ratio 1 is the
             # token-mean NLL gradient, so this optimizer step is plain SFT on the pairs.
             batch.advantages = torch.ones(len(rows))
-            stats = ray.get(self.policy.train_step.remote(batch, logprob_sums=True))
+            stats = self.policy.run("train_step", batch, logprob_sums=True, step=index)
             nll -= sum(stats["logprob_sums"])
             tokens += stats["tokens"]
         return {"pairs": len(pairs), "optimizer_steps": len(steps), "sft_nll": nll / tokens}
@@ -159,7 +168,7 @@ class LiveUpdater:
         if not prompts:
             return {"prompts": 0}
         engine = self._rollout_engine()
-        engine.load_weights(ray.get(self.policy.export_weights.remote()).items())
+        engine.load_weights(self.policy.run("export_weights", step=index).items())
         params = SamplingParams(
             temperature=self.live.temperature, top_p=1.0, max_tokens=self.live.max_tokens
         )
@@ -168,46 +177,36 @@ class LiveUpdater:
                 prompt_ids=e["prompt_ids"],
                 n=self.live.group_size,
                 seed=(self.live.seed << 32) + e["seq"],
+                request_id=str(i),
             )
-            for e in prompts
+            for i, e in enumerate(prompts)
         ]
-        results = engine.generate(requests, params)
-        samples = [(i, s) for i, result in enumerate(results) for s in result.samples]
-        golds = [prompts[i]["reference"] for i, _ in samples]
+        rollouts = Rollouts.from_results(
+            engine.generate(requests, params),
+            {str(i): e["reference"] for i, e in enumerate(prompts)},
+        )
         with MathVerifier(num_workers=1) as verifier:
-            verdicts = verifier.verify_batch([s.text for _, s in samples], golds)
-        rewards = [float(status == "correct") for _, status in verdicts]
-        groups = [i for i, _ in samples]
-        advantages = torch.as_tensor(group_advantages(rewards, groups), dtype=torch.float32)
-        rollouts = {
+            verdicts = verifier.verify_batch(rollouts.texts, rollouts.golds)
+        rollouts.rewards = np.array([float(status == "correct") for _, status in verdicts])
+        # GRPO's own shaping: group advantages on the response tokens, the engine's log-probs
+        batch, _ = shape_grpo(rollouts, GRPO_DEFAULTS, pad_id=self.pad_id)
+        stats = {
             "prompts": len(prompts),
-            "samples": len(samples),
-            "reward_mean": sum(rewards) / len(rewards),
+            "samples": len(rollouts),
+            "reward_mean": float(rollouts.rewards.mean()),
         }
-        if not advantages.any():
-            return rollouts
-        rows_of = {i: [r for r, g in enumerate(groups) if g == i] for i in range(len(prompts))}
-
-        def batch_of(rows: list[int]) -> Any:
-            return build_batch(
-                [prompts[groups[r]]["prompt_ids"] for r in rows],
-                [samples[r][1].token_ids for r in rows],
-                self.pad_id,
-                rollout_logprobs=[samples[r][1].logprobs for r in rows],
-            )
-
-        everything = list(range(len(samples)))
-        old_logp = ray.get(self.policy.logprobs.remote(batch_of(everything)))
+        if not batch.advantages.any():
+            return stats
+        # pi_old of every update of the round: the version before the round's first step
+        batch.old_logp = self.policy.run("logprobs", batch, step=index)
+        rows_of = group_rows(rollouts.group_ids)
         steps = shuffled_batches(
             len(prompts), self.live.batch_size, self.live.epochs, self.live.seed + index
         )
         for chosen in steps:
-            rows = [r for i in chosen for r in rows_of[i]]
-            batch = batch_of(rows)
-            batch.advantages = advantages[rows]
-            batch.old_logp = old_logp[rows, : batch.input_ids.shape[1]]
-            ray.get(self.policy.train_step.remote(batch))
-        return rollouts | {"optimizer_steps": len(steps)}
+            part = batch.rows([r for i in chosen for r in rows_of[str(i)]])
+            self.policy.run("train_step", part, step=index)
+        return stats | {"optimizer_steps": len(steps)}
 
     def _rollout_engine(self) -> Any:
         """The transformers engine GRPO samples from (built once, on the served base)."""
@@ -219,7 +218,7 @@ class LiveUpdater:
         """Adapter under its content-named version and the trainer state, then the progress."""
         partial = self.dir / "versions" / f".round-{index}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        ray.get(self.policy.save_adapter.remote(str(partial)))
+        self.policy.run("save_adapter", str(partial), step=index)
         version = adapter_version(index, partial)
         adapter = adapter_dir(self.dir, version)
         if adapter.exists():
@@ -228,7 +227,7 @@ class LiveUpdater:
             os.replace(partial, adapter)
         state = self.dir / "state" / f"round-{index}"
         shutil.rmtree(state, ignore_errors=True)
-        ray.get(self.policy.save_state.remote(str(state)))
+        self.policy.run("save_state", str(state), step=index)
         record = {
             "round": index,
             "policy": version,

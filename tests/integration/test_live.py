@@ -141,7 +141,7 @@ def test_verified_rounds_become_versions_the_replicas_serve(live_server, problem
     assert v1["boundaries"] == {STREAM: ROUND, "other": 0}
     assert updater.poll() == []
     # What replicas load is what the updater trained: its merged weights, to fp32 rounding.
-    trained = ray.get(updater.policy.export_weights.remote())
+    trained = updater.policy.run("export_weights")
     served = dict(merged_lora_weights(server["prepared"].settings.model_dir, v1["adapter"]))
     for name, tensor in trained.items():
         torch.testing.assert_close(served[name], tensor, rtol=0, atol=1e-6)
