@@ -40,8 +40,8 @@ DEADLINE_SLACK_S = 30.0
 
 class VerifierActor:
     """Scores responses against their golds (and prompts and metadata, which plug-ins read) with
-    the verifier `make_verifier(kind, num_workers, timeout_s, function, rewards)` in this actor's
-    own worker processes."""
+    the verifier `make_verifier(kind, num_workers, timeout_s, function, rewards,
+    unsafe_hook_sandbox)` in this actor's own worker processes."""
 
     def __init__(
         self,
@@ -50,8 +50,11 @@ class VerifierActor:
         kind: str = "math",
         function: str | None = None,
         rewards: Sequence[Mapping[str, Any]] = (),
+        unsafe_hook_sandbox: bool = False,
     ):
-        self.verifier = make_verifier(kind, num_workers, timeout_s, function, rewards)
+        self.verifier = make_verifier(
+            kind, num_workers, timeout_s, function, rewards, unsafe_hook_sandbox
+        )
         self.verifier.wait_ready()
 
     def score(
@@ -83,11 +86,13 @@ class VerifierPool:
         kind: str = "math",
         function: str | None = None,
         rewards: Sequence[Mapping[str, Any]] = (),
+        unsafe_hook_sandbox: bool = False,
     ):
         self.size = size
         self.kind = kind
         self.function = function
         self.rewards = [dict(r) for r in rewards]
+        self.unsafe_hook_sandbox = unsafe_hook_sandbox
         self.timeout_s = timeout_s
         self.workers_per_actor = workers_per_actor
         self.cpus_per_actor = cpus_per_actor
@@ -98,7 +103,14 @@ class VerifierPool:
         return (
             ray.remote(self.actor_class)
             .options(num_cpus=self.cpus_per_actor, max_restarts=0)
-            .remote(self.timeout_s, self.workers_per_actor, self.kind, self.function, self.rewards)
+            .remote(
+                self.timeout_s,
+                self.workers_per_actor,
+                self.kind,
+                self.function,
+                self.rewards,
+                self.unsafe_hook_sandbox,
+            )
         )
 
     def _replace(self, index: int) -> None:

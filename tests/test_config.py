@@ -435,7 +435,12 @@ TWO_REWARDS = (
 
 def test_reward_plugins_and_weighted_rewards_validate():
     cfg = load_config(None, ["verifier.kind=python", f"verifier.function={BOXED}"])
-    assert cfg.verifier.verifier_kwargs() == {"kind": "python", "function": BOXED, "rewards": []}
+    assert cfg.verifier.verifier_kwargs() == {
+        "kind": "python",
+        "function": BOXED,
+        "rewards": [],
+        "unsafe_hook_sandbox": False,
+    }
     cfg = load_config(None, [TWO_REWARDS])
     assert config_from_dict(cfg.to_dict()) == cfg  # the saved config a resume reloads
     assert cfg.verifier.kinds() == {"math", "python"}
@@ -448,6 +453,7 @@ def test_reward_plugins_and_weighted_rewards_validate():
         "kind": "math",
         "function": None,
         "rewards": [],
+        "unsafe_hook_sandbox": False,
     }
 
 

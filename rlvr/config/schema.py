@@ -517,6 +517,13 @@ class VerifierConfig(Section):
     )
     num_workers: int = Field(1, gt=0, description="Verifier worker processes per VerifierActor.")
     timeout_s: float = Field(5.0, gt=0.0, description="Hard per-item verification timeout.")
+    unsafe_hook_sandbox: bool = Field(
+        False,
+        description="Where namespaces do not work (unshare(2) refused: an unprivileged "
+        "container), run code rewards under the audit-hook sandbox instead of refusing to start. "
+        "That hook lives in the program's own interpreter: a program that means to can get round "
+        "it, read the host's files and reach the network (README, 'Code rewards').",
+    )
     max_uncomputed_share: float = Field(
         0.1,
         ge=0.0,
@@ -554,11 +561,13 @@ class VerifierConfig(Section):
         return {r.kind for r in self.rewards} if self.rewards else {self.kind}
 
     def verifier_kwargs(self) -> dict[str, Any]:
-        """`make_verifier`'s kind, function and rewards (plain data, for the actors)."""
+        """`make_verifier`'s kind, function, rewards and sandbox choice (plain data, for the
+        actors)."""
         return {
             "kind": self.kind,
             "function": self.function,
             "rewards": [r.model_dump() for r in self.rewards],
+            "unsafe_hook_sandbox": self.unsafe_hook_sandbox,
         }
 
 

@@ -2,9 +2,9 @@
 
 The gold (a problem's `answer`, a str) is a JSON object with one of two test formats:
 
-* `{"asserts": ["assert f(1) == 2", ...]}` (MBPP/HumanEval style): the solution is executed,
-  then each assert statement in the same namespace; all must pass. An optional `"setup"` string
-  (imports, helpers) runs between the solution and the asserts.
+* `{"asserts": ["assert f(1) == 2", ...]}` (MBPP/HumanEval style): each entry is Python source
+  run after the solution (an optional `"setup"` string, imports and helpers, first), and passes
+  when it raises nothing. HumanEval's `def check(candidate): ...` + `check(f)` is one entry.
 * `{"io": [{"input": "3\\n", "output": "9\\n"}, ...]}` (competitive-programming style): the
   solution runs as a script once per case with `input` on stdin; its stdout must equal `output`
   up to trailing whitespace on each line and trailing blank lines.
@@ -14,22 +14,46 @@ whole response. Reward 1.0 when every test passes, else 0.0; status "correct", "
 failed), "timeout" (the item's wall-clock budget ran out), "error" (syntax error, exception
 outside an assert, a crash or a limit hit; also an unusable gold) or "no_code" (empty solution).
 
-Each item runs in rlvr.verifiers.sandbox (fresh process, no network, limits, killed at the
-timeout); `CodeVerifier` has MathVerifier's interface (`verify`, `verify_batch`, `wait_ready`,
-`close`, context manager) and its per-item hard timeout, so the VerifierActor pool works alike.
+Who decides the verdict. A policy under training searches for rewards it can forge, and anything
+that runs in the solution's interpreter can be rewritten by the solution (frames, gc, builtins,
+stdout, atexit, exit paths, objects that equal everything). So the solution's process only
+computes values, and the verdict is made where the solution's code never runs:
+
+* asserts: two sandboxes per item (rlvr.verifiers.harness). The tests, their expected values
+  and the comparisons live in one, which never runs the solution's code and whose verdict line
+  is the only one read; the solution, with the setup (as before: a solution may lean on its
+  imports), runs in the other and answers each call the tests make with a value, strictly
+  serialised plain data of at most a MiB (objects of its own classes, subclasses of builtins
+  included, are refused). It never receives the tests, only each call's arguments. Running the
+  tests' own code apart, rather than parsing `assert f(x) == y` into a call and a value, keeps
+  every form of test the data holds (HumanEval's `check(candidate)` with loops and
+  `abs(...) < 1e-6`, MBPP's `math.isclose` and `set(...) == set(...)`) under the same guarantee,
+  with no weaker mode to fall back to. What a solution can still do: return the right values
+  without computing them (if it knows them: tests printed in the prompt can be copied), and pass
+  a test that relies on another function of the solution (HumanEval's `poly` beside
+  `find_zero`), which the test then trusts. What no longer works: a test that needs the
+  solution's objects themselves (an instance of its class, an argument it mutates in place) or
+  passes a function to it; such an item scores "error".
+* io: the solution's stdout is compared with the expected output here; it never sees it.
+
+Each sandbox also hides the host's files (namespaces mode), so no dataset file can be read to
+learn the expected values (rlvr.verifiers.sandbox). `CodeVerifier` has MathVerifier's interface
+(`verify`, `verify_batch`, `wait_ready`, `close`, context manager) and its per-item hard timeout,
+so the VerifierActor pool works alike.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
+from rlvr.verifiers import harness
 from rlvr.verifiers.base import ClosingVerifier
-from rlvr.verifiers.sandbox import Limits, available_mode, run_python
+from rlvr.verifiers.sandbox import Limits, Sandbox, resolve_mode, run_python
 
 __all__ = ["STATUSES", "CodeVerifier", "extract_code", "parse_gold"]
 
@@ -37,31 +61,11 @@ STATUSES = ("correct", "wrong", "timeout", "error", "no_code")
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
-# The assert harness: the verdict is a line carrying a per-run random token, so a solution that
-# exits early (sys.exit(0), os._exit(0)) or prints "ok" does not pass.
-_HARNESS = """
-import sys
-def _rlvr_main(token, solution, setup, tests):
-    g = {"__name__": "__solution__", "__builtins__": __builtins__}
-    try:
-        exec(compile(solution, "solution.py", "exec"), g)
-        if setup:
-            exec(compile(setup, "setup.py", "exec"), g)
-    except BaseException as err:
-        print(token + " error " + type(err).__name__, flush=True)
-        return
-    for i, test in enumerate(tests):
-        try:
-            exec(compile(test, "test_%d.py" % i, "exec"), g)
-        except AssertionError:
-            print(token + " wrong " + str(i), flush=True)
-            return
-        except BaseException as err:
-            print(token + " error " + type(err).__name__, flush=True)
-            return
-    print(token + " pass", flush=True)
-_rlvr_main(*__import__("json").loads(sys.stdin.readline()))
-"""
+_HARNESS = Path(harness.__file__).read_text(encoding="utf-8")
+SOLUTION_PROGRAM = _HARNESS + "\nserve_solution()\n"
+TESTS_PROGRAM = _HARNESS + "\nrun_tests()\n"
+_VERDICTS = {b"pass": (1.0, "correct"), b"wrong": (0.0, "wrong")}
+_PROBE_GOLD = json.dumps({"asserts": ["assert f() == 42"]})
 
 
 def extract_code(response: str) -> str:
@@ -99,10 +103,21 @@ def _normalize(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
 
 
+def _line(message: dict) -> bytes:
+    return json.dumps(message).encode("utf-8") + b"\n"
+
+
+def _lost(box: Sandbox) -> tuple[float, str]:
+    """The score of an item whose sandbox stopped answering: it ran out of time, or it died
+    (a crash, a limit, an exit) before a verdict."""
+    return (0.0, "timeout") if box.expired() else (0.0, "error")
+
+
 class CodeVerifier(ClosingVerifier):
-    """Runs solutions against tests, up to `num_workers` sandboxes at once, each item within
-    `timeout` seconds of wall clock (all its io cases together). `mode` is the sandbox's
-    isolation ("auto", "namespaces" or "hook"; see rlvr.verifiers.sandbox)."""
+    """Runs solutions against tests, up to `num_workers` items at once, each within `timeout`
+    seconds of wall clock (all its io cases together). `mode` is the sandbox's isolation
+    ("auto", "namespaces" or "hook"), `unsafe_hook` lets "auto" fall back to the audit-hook
+    mode where namespaces do not work (see rlvr.verifiers.sandbox)."""
 
     def __init__(
         self,
@@ -110,6 +125,7 @@ class CodeVerifier(ClosingVerifier):
         timeout: float = 5.0,
         memory_limit_mb: int | None = 512,
         mode: str = "auto",
+        unsafe_hook: bool = False,
     ):
         if num_workers < 1 or timeout <= 0:
             raise ValueError("num_workers must be >= 1 and timeout > 0")
@@ -117,22 +133,71 @@ class CodeVerifier(ClosingVerifier):
         self.timeout = timeout
         self.limits = Limits(memory_mb=memory_limit_mb or 512, cpu_s=max(1, int(timeout) + 1))
         self.mode = mode
+        self.unsafe_hook = unsafe_hook
         self._closed = False
         self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="code-verify")
 
     def wait_ready(self) -> None:
-        """Probe the sandbox once (fixes the isolation mode; raises if no run works)."""
-        mode = available_mode() if self.mode == "auto" else self.mode
+        """Probe the sandbox once, then score a known-good solution end to end (fixes the
+        isolation mode; raises if it does not run, or if only the audit-hook mode does and
+        `unsafe_hook` is off)."""
+        mode = resolve_mode(self.mode, self.unsafe_hook)
         result = run_python("print(6 * 7)", timeout=30.0, limits=self.limits, mode=mode)
         if result.stdout.strip() != "42":
             raise RuntimeError(f"code sandbox does not run ({mode}): {result.stderr[-500:]}")
         self.mode = mode
+        probe = self.verify("def f():\n    return 42", _PROBE_GOLD, timeout=30.0)
+        if probe != (1.0, "correct"):
+            raise RuntimeError(f"code sandbox ({mode}): a known-good solution scored {probe}")
 
-    def _run(self, code: str, stdin: str, deadline: float):
+    def _sandbox(self, program: str, deadline: float) -> Sandbox:
+        return Sandbox(
+            program, deadline - time.monotonic(), self.limits, self.mode, self.unsafe_hook
+        )
+
+    def _asserts(self, code: str, spec: dict, deadline: float) -> tuple[float, str]:
+        """The verdict of the tests' sandbox, relaying its calls to the solution's sandbox."""
+        setup = spec.get("setup", "")
+        with (
+            self._sandbox(SOLUTION_PROGRAM, deadline) as solution,
+            self._sandbox(TESTS_PROGRAM, deadline) as tests,
+        ):
+            solution.send(_line({"solution": code, "setup": setup}))
+            tests.send(_line({"setup": setup, "tests": spec["asserts"]}))
+            names = solution.read_line()  # what the solution defined: the tests' first input
+            if names is None:
+                return _lost(solution)
+            relay = names
+            while True:
+                if not tests.send(relay + b"\n"):
+                    return _lost(tests)
+                line = tests.read_line()
+                if line is None:
+                    return _lost(tests)
+                word, _, rest = line.partition(b" ")
+                if word == b"verdict":
+                    return _VERDICTS.get(rest.split(b" ")[0], (0.0, "error"))
+                if word != b"call" or not solution.send(rest + b"\n"):
+                    return _lost(solution)
+                relay = solution.read_line()
+                if relay is None:
+                    return _lost(solution)
+
+    def _io_case(self, code: str, case: dict, deadline: float) -> tuple[float, str] | None:
+        """A failed io case's score; None when its output is right."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return None
-        return run_python(code, stdin, timeout=remaining, limits=self.limits, mode=self.mode)
+            return 0.0, "timeout"
+        result = run_python(
+            code, case["input"], remaining, self.limits, self.mode, self.unsafe_hook
+        )
+        if result.timed_out:
+            return 0.0, "timeout"
+        if result.returncode != 0:
+            return 0.0, "error"
+        if _normalize(result.stdout) != _normalize(case["output"]):
+            return 0.0, "wrong"
+        return None
 
     def verify(self, response: str, gold: str, timeout: float | None = None) -> tuple[float, str]:
         """Reward in {0.0, 1.0} and a status in STATUSES for one response against its gold."""
@@ -147,26 +212,13 @@ class CodeVerifier(ClosingVerifier):
             return 0.0, "error"
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         if "asserts" in spec:
-            token = secrets.token_hex(16)
-            payload = json.dumps([token, code, spec.get("setup", ""), spec["asserts"]])
-            result = self._run(_HARNESS, payload + "\n", deadline)
-            if result is None or result.timed_out:
+            if deadline <= time.monotonic():
                 return 0.0, "timeout"
-            verdicts = [line for line in result.stdout.splitlines() if line.startswith(token)]
-            if not verdicts:  # died before a verdict: a limit, a crash or os._exit
-                return 0.0, "error"
-            verdict = verdicts[-1].split()[1]
-            if verdict == "pass" and result.returncode == 0:
-                return 1.0, "correct"
-            return 0.0, "wrong" if verdict == "wrong" else "error"
+            return self._asserts(code, spec, deadline)
         for case in spec["io"]:
-            result = self._run(code, case["input"], deadline)
-            if result is None or result.timed_out:
-                return 0.0, "timeout"
-            if result.returncode != 0:
-                return 0.0, "error"
-            if _normalize(result.stdout) != _normalize(case["output"]):
-                return 0.0, "wrong"
+            failed = self._io_case(code, case, deadline)
+            if failed is not None:
+                return failed
         return 1.0, "correct"
 
     def verify_batch(

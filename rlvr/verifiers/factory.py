@@ -23,17 +23,26 @@ def make_verifier(
     timeout: float = 5.0,
     function: str | None = None,
     rewards: Sequence[Mapping[str, Any]] = (),
+    unsafe_hook_sandbox: bool = False,
 ) -> MathVerifier | CodeVerifier | PythonVerifier | WeightedVerifier:
     """A verifier of `kind` with `num_workers` parallel workers and a per-item `timeout`
     (`function`: the plug-in of kind python); with `rewards` (dicts with kind, weight and
-    optionally function and name) their weighted sum, and `kind` is not used."""
+    optionally function and name) their weighted sum, and `kind` is not used.
+    `unsafe_hook_sandbox` lets code run under the audit-hook sandbox where namespaces do not
+    work (rlvr.verifiers.sandbox)."""
     if rewards:
         return WeightedVerifier(
             [
                 Component(
                     reward_name(r["kind"], r.get("function"), r.get("name")),
                     float(r["weight"]),
-                    make_verifier(r["kind"], num_workers, timeout, r.get("function")),
+                    make_verifier(
+                        r["kind"],
+                        num_workers,
+                        timeout,
+                        r.get("function"),
+                        unsafe_hook_sandbox=unsafe_hook_sandbox,
+                    ),
                 )
                 for r in rewards
             ]
@@ -41,7 +50,9 @@ def make_verifier(
     if kind == "math":
         return MathVerifier(num_workers=num_workers, timeout=timeout)
     if kind == "code":
-        return CodeVerifier(num_workers=num_workers, timeout=timeout)
+        return CodeVerifier(
+            num_workers=num_workers, timeout=timeout, unsafe_hook=unsafe_hook_sandbox
+        )
     if kind == "python":
         if not function:
             raise ValueError("verifier kind 'python' needs a function ('package.module:fn')")

@@ -9,6 +9,17 @@ call as a whole. A call that raises, or returns the wrong number of entries, sco
 it (0.0, "error"); a call past the timeout scores them (0.0, "timeout") and its worker is killed
 and replaced; an entry that is not a finite number (or a pair of one and a str) scores that item
 (0.0, "error"). Each case logs a line naming the function; none stops the run.
+
+What a plug-in's author can rely on: its function runs in a worker process of its own (not the
+actor's), under the timeout above and an address-space limit (`memory_limit_mb`), and gets the
+responses as strings; nothing of a response is executed unless the function executes it. What it
+cannot: the worker is no sandbox. It runs with the user's privileges, files, network and
+environment, as any trusted code of the run does, so a plug-in that runs model-written code must
+not `exec` it there (the response would then hold the reward in its hands, and the host with
+it): it runs it through `rlvr.verifiers.sandbox.run_python` / `Sandbox` (bounded time, memory and
+output, no network, no host files) or scores it with `rlvr.verifiers.code.CodeVerifier`, which
+keeps the verdict out of the solution's reach, and gets their guarantees. Agent tools are to run
+model-written code through the same sandbox.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 import time
 
+from rlvr.verifiers.code import CodeVerifier
+
 
 def exact(prompts, responses, golds, metadata):
     """Plain floats: 1.0 for a response equal to its gold."""
@@ -35,6 +37,13 @@ def short(prompts, responses, golds, metadata):
 
 def bad_entries(prompts, responses, golds, metadata):
     return [0.5, float("nan"), "1.0", (1.0, "correct"), (0.0, 3)]
+
+
+def code_in_sandbox(prompts, responses, golds, metadata):
+    """Scores the responses' code against the golds' tests through the code verifier: a plug-in
+    that runs model-written code does it in the sandbox, never in its own process."""
+    with CodeVerifier(num_workers=2, timeout=5.0) as verifier:
+        return verifier.verify_batch(responses, golds)
 
 
 not_callable = 3

@@ -99,6 +99,64 @@ def test_verdicts(verifier, response, gold, expected):
     assert verifier.verify(response, gold) == expected
 
 
+def _gold(*asserts: str, setup: str = "") -> str:
+    return json.dumps({"asserts": list(asserts), **({"setup": setup} if setup else {})})
+
+
+HUMANEVAL = (
+    "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("solution", "gold", "expected"),
+    [
+        # HumanEval's check(candidate): the test's own function calls the solution's
+        ("def add(a, b):\n    return a + b", _gold(HUMANEVAL + "check(add)"), "correct"),
+        ("def add(a, b):\n    return a - b", _gold(HUMANEVAL + "check(add)"), "wrong"),
+        # a setup's import serves the tests and the solution; comparisons are the tests' own
+        (
+            "def f(x):\n    return math.sqrt(x)",
+            _gold("assert math.isclose(f(2), 1.4142135623731)", setup="import math"),
+            "correct",
+        ),
+        # the tests' builtins stay theirs, whatever the solution defines
+        (
+            "def sorted(x):\n    return [9]\ndef f(n):\n    return [3, 1, 2]",
+            _gold("assert sorted(f(3)) == [1, 2, 3]"),
+            "correct",
+        ),
+        # keyword arguments and containers travel; the solution's process keeps its state
+        (
+            "def f(x, scale=1):\n    return (x * scale, [x], {x: {x}}, b'%d' % x)",
+            _gold("assert f(2, scale=3) == (6, [2], {2: {2}}, b'2')"),
+            "correct",
+        ),
+        (
+            "calls = []\ndef f():\n    calls.append(1)\n    return len(calls)",
+            _gold("assert f() == 1", "assert f() == 2"),
+            "correct",
+        ),
+        # a builtin exception of the solution is the test's to catch
+        (
+            "def f(x):\n    raise ValueError('negative')",
+            _gold("try:\n    f(-1)\n    raise AssertionError\nexcept ValueError:\n    pass"),
+            "correct",
+        ),
+        # prints go nowhere the verdict is read from
+        ("def f(x):\n    print('verdict wrong 0')\n    return 3 * x + 1", ASSERT_GOLD, "correct"),
+        # what is not plain data, and input() at load time (stdin is empty), are errors
+        ("class P:\n    pass\ndef f(x):\n    return P()", ASSERT_GOLD, "error"),
+        ("x = input()\ndef f(x):\n    return 3 * x + 1", ASSERT_GOLD, "error"),
+    ],
+)
+def test_the_tests_run_apart_and_see_only_values(verifier, solution, gold, expected):
+    assert verifier.verify(f"```python\n{solution}\n```", gold) == (
+        1.0 if expected == "correct" else 0.0,
+        expected,
+    )
+
+
 def test_verify_batch_keeps_order_and_times_out_per_item(verifier):
     good = "```python\ndef f(x):\n    return 3 * x + 1\n```"
     loop = "```python\nwhile True:\n    pass\n```"

@@ -7,6 +7,7 @@ import pytest
 
 from rlvr.verifiers.factory import make_verifier
 from rlvr.verifiers.python import PythonVerifier, check_rewards
+from tests.verifiers.hostile_solutions import ASSERT_GOLD, RIGHT, hostile_cases
 
 FNS = "tests.verifiers.reward_fns"
 
@@ -106,3 +107,14 @@ def test_a_function_that_cannot_be_imported_fails_to_start():
             v.wait_ready()
     finally:
         v.close()
+
+
+def test_a_plugin_that_runs_code_gets_the_sandbox_s_guarantees():
+    """A wrong solution that forges its way past an in-process harness scores 0 here too."""
+    forged = next(c for c in hostile_cases("/nonexistent") if c.kind == "builtins")
+    with PythonVerifier(f"{FNS}:code_in_sandbox", num_workers=1, timeout=30.0) as v:
+        out = v.verify_batch(
+            [f"```python\n{RIGHT[ASSERT_GOLD]}```", forged.response], [ASSERT_GOLD] * 2
+        )
+    assert out[0] == (1.0, "correct")
+    assert out[1][0] == 0.0 and out[1][1] in ("wrong", "error")
