@@ -8,11 +8,11 @@ import json
 import pytest
 
 from rlvr.config import ConfigError
+from rlvr.models.checkpoints import merged_lora_weights
 from rlvr.serving.config import load_serve_config
 from rlvr.serving.live_updates import (
     UpdaterState,
     adapter_version,
-    merged_lora_weights,
     round_seqs,
     shuffled_batches,
 )

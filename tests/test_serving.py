@@ -9,6 +9,7 @@ import pytest
 
 from rlvr.algorithms.csa import Calibrator, make_grid
 from rlvr.config import ConfigError
+from rlvr.models.checkpoints import checkpoint_fingerprint
 from rlvr.serving.api import (
     ApiError,
     Calibration,
@@ -17,7 +18,6 @@ from rlvr.serving.api import (
     FeedbackRequest,
     boxed,
     check_generation_request,
-    checkpoint_fingerprint,
     completion_body,
     csa_object,
     parse_body,

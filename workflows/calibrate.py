@@ -8,7 +8,6 @@ written as `csa_calibration.json` next to the checkpoint for `rlvr serve`. No Ra
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from collections.abc import Sequence
@@ -22,7 +21,8 @@ import psutil
 from rlvr.config import ConfigError, load_config
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationBackend, GenerationRequest, SamplingParams
-from rlvr.models import cache_dir, resolve_model_path
+from rlvr.models import resolve_model_path
+from rlvr.models.checkpoints import checkpoint_fingerprint, with_adapter
 from rlvr.serving.api import CALIBRATION_FILE, DEFAULT_ALPHAS, Calibration, boxed, vote
 from rlvr.tasks import load_problems, load_task
 from rlvr.tasks.base import Problem
@@ -85,38 +85,6 @@ def _on_gpu() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def merge_adapter(base_dir: Path, adapter_dir: Path) -> Path:
-    """An HF directory with the PEFT adapter merged into the base weights (built once, cached)."""
-    from rlvr.models.tiny import publish_dir, staging_dir
-    from rlvr.serving.api import checkpoint_fingerprint
-
-    key = hashlib.sha256(
-        f"{checkpoint_fingerprint(base_dir)}\0{checkpoint_fingerprint(adapter_dir)}".encode()
-    ).hexdigest()[:12]
-    out = cache_dir() / "models" / f"merged-{base_dir.name}-{adapter_dir.name}-{key}"
-    if (out / "config.json").is_file():
-        return out
-    import peft
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir)
-    merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    staging = staging_dir(out)
-    merged.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(base_dir).save_pretrained(staging)
-    return publish_dir(staging, out)
-
-
-def with_adapter(model_dir: Path, adapter: str | None) -> Path:
-    """`model_dir`, or a cached copy with the PEFT adapter directory `adapter` merged in."""
-    if adapter is None:
-        return model_dir
-    adapter_dir = Path(adapter).expanduser()
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"adapter {adapter!r} holds no adapter_config.json")
-    return merge_adapter(model_dir, adapter_dir)
 
 
 def load_cal_problems(data: str) -> tuple[list[Problem], str, bool, dict[str, Any]]:
@@ -222,7 +190,6 @@ def run_calibrate(
     any model loads. The artefact goes to `out`, else next to the adapter when one is given, else
     into the checkpoint directory.
     """
-    from rlvr.serving.api import checkpoint_fingerprint
 
     engine = engine or EngineOptions()
     engine.check(backend)

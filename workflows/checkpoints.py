@@ -45,7 +45,7 @@ def resolve_checkpoint(spec: str | Path, base_dir: Path, cfg: Config) -> Path:
     if (path / "config.json").is_file():
         return resolve_model_path(str(path))
     if (path / "adapter_config.json").is_file():
-        from workflows.calibrate import merge_adapter
+        from rlvr.models.checkpoints import merge_adapter
 
         return merge_adapter(base_dir, path)
     if (path / "policy" / "latest").is_file():

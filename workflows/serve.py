@@ -45,6 +45,7 @@ from rlvr.algorithms.csa import AlreadyLabelledError, UnknownSeqError
 from rlvr.config import ConfigError
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.models import resolve_model_path
+from rlvr.models.checkpoints import checkpoint_fingerprint, merged_lora_weights, with_adapter
 from rlvr.models.checks import check_model_dir
 from rlvr.serving.access import (
     API_KEYS_ENV,
@@ -64,7 +65,6 @@ from rlvr.serving.api import (
     FeedbackRequest,
     boxed,
     check_generation_request,
-    checkpoint_fingerprint,
     completion_body,
     csa_object,
     parse_body,
@@ -72,11 +72,10 @@ from rlvr.serving.api import (
     vote,
 )
 from rlvr.serving.config import ServeConfig
-from rlvr.serving.live_updates import UPDATER_FILE, UpdaterState, adapter_dir, merged_lora_weights
+from rlvr.serving.live_updates import UPDATER_FILE, UpdaterState, adapter_dir
 from rlvr.serving.stream_host import LabelSourceError, StreamSpec, UnknownStreamError
 from rlvr.tasks.prompts import render_messages, render_text
 from rlvr.training.rendezvous import LOOPBACK, bind_collectives
-from workflows.calibrate import with_adapter
 
 log = logging.getLogger(__name__)
 

@@ -529,28 +529,3 @@ class Calibration:
             ) from None
         except (OSError, KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}: not a usable CSA calibration ({err})") from None
-
-
-_WEIGHT_SUFFIXES = (".safetensors", ".bin")
-_EDGE = 1 << 20
-
-
-def checkpoint_fingerprint(model_dir: str | Path) -> str:
-    """Policy version of an HF model directory: its name plus a digest of config and weights.
-
-    Reads config.json and the first and last MiB of every weight file (headers and some tensor
-    bytes), so it is cheap for large models yet changes with any retrained checkpoint in practice.
-    """
-    model_dir = Path(model_dir)
-    h = hashlib.sha256()
-    for f in sorted(model_dir.iterdir()):
-        if f.name == "config.json":
-            h.update(f.read_bytes())
-        elif f.is_file() and f.name.endswith(_WEIGHT_SUFFIXES):
-            size = f.stat().st_size
-            h.update(f"{f.name}\0{size}\0".encode())
-            with f.open("rb") as fh:
-                h.update(fh.read(_EDGE))
-                fh.seek(max(0, size - _EDGE))
-                h.update(fh.read(_EDGE))
-    return f"{model_dir.name}@{h.hexdigest()[:12]}"

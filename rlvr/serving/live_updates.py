@@ -3,8 +3,8 @@
 arXiv:2605.20270 Sec. 6.2 and Assumption 4.2 (P): the policy is constant within a round of `round_size`
 requests; between rounds a LoRA update is trained on that round's verifier-correct (prompt,
 answer) pairs only, and published to serve later seqs (rule R2). This module holds the pure parts:
-the updater's durable progress, a published version's name, the mini-batches, and the merge of
-a saved adapter into the served base weights that replicas switch to.
+the updater's durable progress, a published version's name and the mini-batches; replicas switch
+to the served base weights with the version's adapter merged in (`rlvr.models.checkpoints`).
 """
 
 from __future__ import annotations
@@ -13,21 +13,15 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
-
 from rlvr.files import atomic_write_text
+from rlvr.models.checkpoints import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 UPDATER_FILE = "updater.json"
 """The updater's progress (`UpdaterState`) in the live directory."""
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-_PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -90,48 +84,3 @@ def shuffled_batches(n: int, batch_size: int, epochs: int, seed: int) -> list[li
         bounds = [round(i * n / parts) for i in range(parts + 1)]
         out += [order[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     return out
-
-
-def _weight_files(model_dir: Path) -> list[Path]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
-    return files
-
-
-def merged_lora_weights(
-    base_dir: str | Path, adapter_dir: str | Path
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base model's weights (HF names, as saved) with a PEFT LoRA adapter merged in:
-    W + s * B @ A per adapted linear layer, s = lora_alpha / r (/ sqrt(r) with rsLoRA), what
-    `merge_and_unload` computes, read from the two directories without building a model."""
-    base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{adapter_dir}: a {config['peft_type']} adapter, not LoRA")
-    r = int(config["r"])
-    scale = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
-    lora: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(adapter_dir / ADAPTER_WEIGHTS, framework="pt") as f:
-        for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-            module, _, part = key.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
-            lora.setdefault(f"{module}.weight", {})[part.split(".")[0]] = f.get_tensor(key)
-    files = _weight_files(base_dir)
-    names: set[str] = set()
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            names.update(f.keys())
-    missing = set(lora) - names
-    if missing:
-        raise ValueError(f"{adapter_dir}: adapted layers not in {base_dir}: {sorted(missing)[:3]}")
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                weight = f.get_tensor(name)
-                ab = lora.get(name)
-                if ab is not None:
-                    delta = (ab["B"].double() @ ab["A"].double()) * scale
-                    if config.get("fan_in_fan_out"):
-                        delta = delta.T
-                    weight = (weight.double() + delta).to(weight.dtype)
-                yield name, weight

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from rlvr.serving.live_updates import merged_lora_weights
+from rlvr.models.checkpoints import merged_lora_weights
 from rlvr.tasks.prompts import prompt_messages
 
 ROOT = Path(__file__).resolve().parents[2]

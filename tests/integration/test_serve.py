@@ -21,7 +21,8 @@ import yaml
 
 from rlvr.algorithms.csa import Calibrator, CSAController, make_grid
 from rlvr.answers import extract_answer
-from rlvr.serving.api import Calibration, boxed, checkpoint_fingerprint
+from rlvr.models.checkpoints import checkpoint_fingerprint
+from rlvr.serving.api import Calibration, boxed
 from rlvr.serving.fuzz import CATEGORIES, Credentials, fuzz_cases, tally
 from rlvr.tasks.prompts import prompt_messages
 from rlvr.verifiers.math import verify_math
@@ -96,7 +97,7 @@ def test_adapter_is_merged_once_into_the_served_weights(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from rlvr.models import resolve_model_path
-    from workflows.calibrate import with_adapter
+    from rlvr.models.checkpoints import with_adapter
 
     base_dir = resolve_model_path("tiny")
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
