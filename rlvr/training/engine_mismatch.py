@@ -64,3 +64,30 @@ def mismatch(batch: TrainBatch, logp: torch.Tensor, cap: float = 2.0) -> dict[st
     out = {key: float(value) for key, value in stats.items()}
     out["max_abs_logp_diff"] = float(torch.where(compared, diff, 0.0).max())
     return out
+
+
+class MismatchTally:
+    """Token-weighted running means (and the max) of `grpo.engine_is_weights`'s statistics over
+    the micro-batches of an update."""
+
+    MEANS = ("engine_ratio_mean", "engine_capped_frac", "engine_kl", "engine_outside_frac")
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(self.MEANS, 0.0)
+        self.tokens = 0.0
+        self.ratio_max = 0.0
+
+    def add(self, stats: dict[str, torch.Tensor]) -> None:
+        n = float(stats["engine_tokens"])
+        for key in self.MEANS:
+            self.sums[key] += float(stats[key]) * n
+        self.tokens += n
+        if n:
+            self.ratio_max = max(self.ratio_max, float(stats["engine_ratio_max"]))
+
+    def summary(self, all_reduce: Callable[..., list[float]]) -> dict[str, float]:
+        *sums, tokens = all_reduce([*self.sums.values(), self.tokens], "sum")
+        (ratio_max,) = all_reduce([self.ratio_max], "max")
+        out = {key: s / tokens if tokens else 0.0 for key, s in zip(self.MEANS, sums, strict=True)}
+        out["engine_ratio_max"] = ratio_max if tokens else 1.0
+        return out

@@ -36,6 +36,7 @@ from rlvr.training.batch import (
 from rlvr.training.checkpoint import STATE_TAG, UNIVERSAL_TAG, saved_ranks, to_universal
 from rlvr.training.data_parallel import mini_batch_bounds, token_budget_rows
 from rlvr.training.distributed import deepspeed, get_accelerator, init_distributed
+from rlvr.training.engine_mismatch import MismatchTally
 from rlvr.training.lm_head import TokenStats, head_calls_needed, loss_token_stats
 from rlvr.training.losses import LossContext, StepContext, policy_loss
 from rlvr.training.schedule import LrLambda
@@ -427,7 +428,7 @@ class PolicyTrainer:
             gathered = None if entropy is None else self._gather(entropy[batch.response_mask])
             step_values = loss.prepare(StepContext(gathered, self.settings.loss_options))
 
-        engine = _EngineMismatch()
+        engine = MismatchTally()
         seq_logp = torch.zeros(len(batch), dtype=torch.float64)
         updates: list[dict[str, float]] = []
         for epoch in range(self.epochs):
@@ -471,7 +472,7 @@ class PolicyTrainer:
         self,
         batch: TrainBatch,
         step_values: dict[str, float],
-        engine: _EngineMismatch | None,
+        engine: MismatchTally | None,
     ) -> dict[str, Any]:
         """One optimizer step over ``batch`` in micro-batches; the loss is this (global) batch's.
 
@@ -771,33 +772,6 @@ def _top_layers(model: PreTrainedModel, top: int | None) -> list[int] | None:
     if top > n_layers:
         raise ValueError(f"model.lora.top_layers={top} but the model has {n_layers} layers")
     return list(range(n_layers - top, n_layers))
-
-
-class _EngineMismatch:
-    """Token-weighted running means (and the max) of `grpo.engine_is_weights`'s statistics over
-    the micro-batches of an update."""
-
-    MEANS = ("engine_ratio_mean", "engine_capped_frac", "engine_kl", "engine_outside_frac")
-
-    def __init__(self) -> None:
-        self.sums = dict.fromkeys(self.MEANS, 0.0)
-        self.tokens = 0.0
-        self.ratio_max = 0.0
-
-    def add(self, stats: dict[str, torch.Tensor]) -> None:
-        n = float(stats["engine_tokens"])
-        for key in self.MEANS:
-            self.sums[key] += float(stats[key]) * n
-        self.tokens += n
-        if n:
-            self.ratio_max = max(self.ratio_max, float(stats["engine_ratio_max"]))
-
-    def summary(self, all_reduce: Callable[..., list[float]]) -> dict[str, float]:
-        *sums, tokens = all_reduce([*self.sums.values(), self.tokens], "sum")
-        (ratio_max,) = all_reduce([self.ratio_max], "max")
-        out = {key: s / tokens if tokens else 0.0 for key, s in zip(self.MEANS, sums, strict=True)}
-        out["engine_ratio_max"] = ratio_max if tokens else 1.0
-        return out
 
 
 def _masked_row_sums(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
