@@ -20,6 +20,7 @@ LAYERS = (
     ("rlvr.tasks",),
     ("rlvr.generation",),
     ("rlvr.verifiers",),
+    ("rlvr.envs",),
     ("rlvr.models",),
     ("rlvr.training",),
     # the training config's schema, and the methods that extend it
