@@ -22,18 +22,19 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def format_validation_error(err: ValidationError) -> str:
-    """A pydantic error as one line per problem, each naming its dotted key."""
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """A pydantic error as one line per problem, each naming its dotted key (below `prefix`)."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join([prefix] * bool(prefix) + [str(p) for p in e["loc"]]) or "<root>"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         # a section's check that names a key below it already says where
-        names_key = key == "<root>" or msg.startswith(f"{key}.")
+        names_key = key == "<root>" or msg.startswith(f"{key}.") or msg.startswith(f"{key}:")
         lines.append(msg if names_key else f"{key}: {msg}")
-    return "invalid config: " + "; ".join(lines)
+    head = "" if prefix else "invalid config: "
+    return head + "; ".join(lines)
 
 
 class _Yaml12Loader(yaml.SafeLoader):

@@ -402,6 +402,12 @@ class MethodSpec:
 _METHOD_SPECS: dict[str, MethodSpec] = {}
 
 
+def _section_of(name: str) -> type[Section] | None:
+    """The section model of the registered method `name` (None: no such method, or none)."""
+    spec = _METHOD_SPECS.get(name)
+    return None if spec is None else spec.section
+
+
 def register_method_spec(name: str, spec: MethodSpec) -> None:
     """Make `algorithm.name: <name>` valid, with `spec`'s section and checks."""
     _METHOD_SPECS[name] = spec
@@ -453,8 +459,9 @@ class AlgorithmConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _sections_of_other_methods(cls, data: Any) -> Any:
-        # Methods used to be switched on by flags; say what replaces them instead of "unknown key",
-        # and name the method a stray section belongs to.
+        # Methods used to be switched on by flags; say what replaces them instead of "unknown key".
+        # The sections of methods other than the chosen one (a preset's, with algorithm.name
+        # overridden) are checked by their own models, naming a bad key, and then left out.
         if not isinstance(data, dict):
             return data
         for section in OLD_METHOD_SWITCHES:
@@ -462,12 +469,13 @@ class AlgorithmConfig(Section):
             if isinstance(given, dict) and "enabled" in given:
                 raise ValueError(_old_switch_error(section, ": "))
         name = data.get("name", "grpo")
-        for key in data:
-            if key != name and key in _METHOD_SPECS and _METHOD_SPECS[key].section is not None:
-                raise ValueError(
-                    f"algorithm.{key}: parameters of method {key}, but algorithm.name is {name}"
-                )
-        return data
+        inactive = {key for key in data if key != name and _section_of(key) is not None}
+        for key in inactive:
+            try:
+                _section_of(key).model_validate(data[key])
+            except ValidationError as err:
+                raise ValueError(format_validation_error(err, f"algorithm.{key}")) from None
+        return {k: v for k, v in data.items() if k not in inactive}
 
     @model_validator(mode="after")
     def _known_method(self) -> AlgorithmConfig:
@@ -1016,16 +1024,12 @@ def _method_named(data: dict[str, Any]) -> str:
     return name if isinstance(name, str) else "grpo"
 
 
-def _unknown_key(method: str, dotted: str, path: list[str]) -> str:
-    """The error for an unknown key `dotted` of the override `path` when `method` runs; the old
-    per-method switches (`algorithm.<method>.enabled`) and other methods' sections say what to
-    write instead."""
+def _unknown_key(dotted: str, path: list[str]) -> str:
+    """The error for an unknown key `dotted` of the override `path`; the old per-method switches
+    (`algorithm.<method>.enabled`) say what replaced them."""
     old_switch = path[0] == "algorithm" and path[2:] == ["enabled"]
     if old_switch and path[1] in OLD_METHOD_SWITCHES:
         return _old_switch_error(path[1], "=")
-    other = path[0] == "algorithm" and len(path) > 1 and path[1] != method
-    if other and path[1] in _METHOD_SPECS:
-        return f"algorithm.{path[1]}: parameters of method {path[1]}; set algorithm.name={path[1]}"
     return f"{dotted}: unknown key"
 
 
@@ -1053,6 +1057,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         model = config_model(method)
     except ValueError as err:
         raise ConfigError(f"invalid config: {err}") from None
-    unknown_key = functools.partial(_unknown_key, method)
-    apply_overrides(data, overrides, known=key_tree(model), unknown_key=unknown_key)
+    known = key_tree(model)
+    for other in method_names():  # a preset's section of another method may still be set
+        section = _section_of(other)
+        if section is not None:
+            known["algorithm"].setdefault(other, key_tree(section))
+    apply_overrides(data, overrides, known=known, unknown_key=_unknown_key)
     return config_from_dict(data)

@@ -180,5 +180,10 @@ def test_the_toy_s_section_and_check_are_its_own():
         load_config(None, ["algorithm.name=brevity_toy", "algorithm.brevity_toy.budget=300"])
     with pytest.raises(ConfigError, match=r"algorithm\.brevity_toy\.eta"):
         load_config(None, ["algorithm.name=brevity_toy", "algorithm.brevity_toy.eta=-1"])
-    with pytest.raises(ConfigError, match=r"algorithm\.brevity_toy: parameters of method"):
-        load_config(None, ["algorithm.brevity_toy.eta=1"])
+    # under another method the section is still checked by its model, then left out
+    with pytest.raises(ConfigError, match=r"algorithm\.brevity_toy\.eta"):
+        load_config(None, ["algorithm.brevity_toy.eta=-1"])
+    assert (
+        "brevity_toy"
+        not in load_config(None, ["algorithm.brevity_toy.eta=1"]).to_dict()["algorithm"]
+    )
