@@ -114,7 +114,7 @@ def key_tree(model: type[BaseModel]) -> dict[str, Any]:
     for name, field in model.model_fields.items():
         kind = field.annotation
         nested = isinstance(kind, type) and issubclass(kind, BaseModel)
-        tree[name] = key_tree(kind) if nested else None
+        tree[field.alias or name] = key_tree(kind) if nested else None
     return tree
 
 

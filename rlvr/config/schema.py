@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, create_model, model_validator
+from pydantic import ConfigDict, Field, ValidationError, create_model, model_validator
 
 from rlvr.config.core import (
     ConfigError,
@@ -29,6 +29,8 @@ from rlvr.config.core import (
     read_yaml_sections,
     vllm_on_cpu,
 )
+from rlvr.envs.hosted import check_environment_class
+from rlvr.envs.tools import load_tools
 from rlvr.generation.base import SamplingParams
 from rlvr.tasks.prompts import PROMPT_SLOT
 from rlvr.training.settings import LoraSettings
@@ -397,6 +399,8 @@ class MethodSpec:
     engine_state: bool = False
     """Whether it keeps per-sample state in the engine's process (a stop rule, an author
     schedule), which tensor-parallel engine workers cannot share."""
+    single_turn: str | None = None
+    """Why it cannot run multi-turn rollouts (`env`), if it cannot."""
 
 
 _METHOD_SPECS: dict[str, MethodSpec] = {}
@@ -819,6 +823,80 @@ class SyncConfig(Section):
     )
 
 
+class EnvConfig(Section):
+    """Multi-turn rollouts (agents): the model acts over several turns, answered by tools or an
+    environment between them; 'none' keeps one completion per rollout."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, serialize_by_alias=True
+    )
+
+    kind: Literal["none", "tools", "python"] = Field(
+        "none",
+        description="'tools': the built-in tool-calling loop over `tools`; 'python': a class of "
+        "your own (`class`) with reset(problem) -> messages and step(message) -> (observations, "
+        "reward or None, done); 'none': single-turn rollouts.",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tool functions, 'package.module:fn' (name, docstring and type hints give "
+        "the JSON schema); each call runs sandboxed like the code verifier.",
+    )
+    env_class: str | None = Field(
+        None,
+        alias="class",
+        description="The environment class, 'package.module:Cls' (kind 'python'); it runs in "
+        "a process of its own per trajectory.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the environment class (JSON data)."
+    )
+    parser: Literal["hermes", "json"] = Field(
+        "hermes",
+        description="How tool calls are read from the model's text: 'hermes' "
+        "(<tool_call>{json}</tool_call>) or 'json' (a bare JSON object).",
+    )
+    max_turns: int = Field(4, ge=1, description="The model's turns per trajectory at most.")
+    max_tool_calls: int = Field(4, ge=1, description="Tool calls run per model turn at most.")
+    token_budget: int | None = Field(
+        None,
+        gt=0,
+        description="Tokens the model may write over all its turns (None: max_turns x "
+        "generation.max_tokens); the context (generation.max_model_len) also ends a trajectory.",
+    )
+    tool_timeout_s: float = Field(5.0, gt=0.0, description="Wall-clock limit of one tool call.")
+    tool_memory_mb: int = Field(256, gt=0, description="Memory of one tool call's processes.")
+    env_timeout_s: float = Field(
+        30.0, gt=0.0, description="Wall-clock limit of one reset or step of a python environment."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvConfig:
+        if self.kind == "tools":
+            if not self.tools:
+                raise ValueError("env.tools: kind 'tools' needs at least one 'package.module:fn'")
+            try:
+                load_tools(self.tools)
+            except ValueError as err:
+                raise ValueError(f"env.tools: {err}") from None
+        elif self.tools:
+            raise ValueError(f"env.tools: only kind 'tools' runs tools (this is {self.kind!r})")
+        if self.kind == "python":
+            if not self.env_class:
+                raise ValueError("env.class: kind 'python' needs 'package.module:Cls'")
+            try:
+                check_environment_class(self.env_class)
+            except ValueError as err:
+                raise ValueError(f"env.class: {err}") from None
+        elif self.env_class:
+            raise ValueError(f"env.class: only kind 'python' takes a class (this is {self.kind!r})")
+        return self
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.kind != "none"
+
+
 class RunConfig(Section):
     name: str = Field(
         "run", min_length=1, description="Run name (used for the run directory and actor names)."
@@ -884,6 +962,7 @@ class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
 
     @model_validator(mode="after")
     def _check(self) -> Config:
@@ -933,6 +1012,10 @@ class Config(Section):
         if self.run.off_policy_steps:
             self._check_off_policy()
         spec = method_spec(self.algorithm.name)
+        if self.env.multi_turn and spec.single_turn:
+            raise ValueError(
+                f"env.kind: {self.algorithm.name} runs single-turn rollouts only: {spec.single_turn}"
+            )
         if spec.check is not None:
             spec.check(self)
         return self

@@ -117,6 +117,8 @@ class Method:
     section: ClassVar[type[Section] | None] = None
     """Its parameters, `algorithm.<name>` in the config (None: it has none of its own)."""
     engine_state: ClassVar[bool] = False
+    single_turn: ClassVar[str | None] = None
+    """Why it cannot run multi-turn rollouts (`env`), if it cannot: the config refuses them."""
     """Whether it keeps per-sample state in the engine's process (a stop rule, an author
     schedule): tensor-parallel engines cannot run it."""
     best_metric: ClassVar[str] = "eval_accuracy"
@@ -231,7 +233,13 @@ def register(name: str) -> Callable[[type[Method]], type[Method]]:
             raise ValueError(f"method {name!r} is already registered by {_REGISTRY[name]}")
         cls.name = name
         _REGISTRY[name] = cls
-        spec = MethodSpec(cls.section, cls.check_config, cls.overlaps_generation, cls.engine_state)
+        spec = MethodSpec(
+            cls.section,
+            cls.check_config,
+            cls.overlaps_generation,
+            cls.engine_state,
+            cls.single_turn,
+        )
         register_method_spec(name, spec)
         return cls
 

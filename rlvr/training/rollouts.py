@@ -42,6 +42,10 @@ class Rollouts:
     logprobs: list[list[float]] = field(default_factory=list)
     """Per rollout, the engine's log-prob of each response token under the distribution it
     sampled from (`Sample.logprobs`), for the trainer's engine importance correction."""
+    model_token_masks: list[list[bool]] = field(default_factory=list)
+    """Multi-turn rollouts: per rollout, whether the model wrote each response token (False on
+    the observations an environment inserted between turns, which the trainer never trains on);
+    empty for single-turn rollouts, whose every response token is the model's."""
 
     @classmethod
     def from_results(cls, results: list[GenerationResult], golds: dict[str, str]) -> Rollouts:
@@ -115,7 +119,17 @@ class Rollouts:
 
     @property
     def lengths(self) -> list[int]:
+        """The tokens the model wrote per rollout (over all its turns, observations left out)."""
+        if len(self.model_token_masks) == len(self):
+            return [sum(mask) for mask in self.model_token_masks]
         return [len(r) for r in self.response_ids]
+
+    @property
+    def loss_masks(self) -> list[list[bool]] | None:
+        """`model_token_masks` for `build_batch`, or None when every response token is the
+        model's."""
+        masks = self.model_token_masks
+        return masks if len(masks) == len(self) else None
 
     def rewards_by_group(self) -> dict[str, list[float]]:
         """Each group's rewards, groups in order of first appearance."""
@@ -132,7 +146,7 @@ class Rollouts:
             rows = range(len(self))
         else:  # spread over the step's groups rather than the first few prompts
             rows = np.linspace(0, len(self) - 1, limit).round().astype(int).tolist()
-        records = []
+        records, lengths = [], self.lengths
         for i in rows:
             record = {
                 "step": step,
@@ -141,7 +155,7 @@ class Rollouts:
                 "gold": self.golds[i],
                 "reward": float(self.rewards[i]) if len(self.rewards) else None,
                 "status": self.statuses[i] if self.statuses else None,
-                "length": len(self.response_ids[i]),
+                "length": lengths[i],
                 "finish_reason": self.finish_reasons[i],
             }
             if self.flags[i]:

@@ -107,6 +107,9 @@ class Dro(Method):
     checkpoint by validation reward (App. F.2), here the held-out mean R3."""
 
     section = DroConfig
+    single_turn = (
+        "R3 scores the policy's certainty of the reference answer after one chain of thought"
+    )
     best_metric = "eval_r3"
     policy_loss = "dro"
     overlaps_generation = False  # R3 may be read through the policy, which is training then

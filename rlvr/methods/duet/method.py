@@ -24,6 +24,10 @@ class Duet(Method):
 
     section = DuetConfig
     engine_state = True  # the stop rule's trackers, read by a logits processor in the engine
+    single_turn = (
+        "its stop rule aborts a completion by its answer marker, and its allocation prices a "
+        "rollout by one completion's length"
+    )
     needs_logprob_sums = True
     overlaps_generation = False  # each step's counts and stop rule come from the last's update
 

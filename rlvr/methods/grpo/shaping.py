@@ -29,6 +29,7 @@ def shape_grpo(
         rollouts.prompt_ids,
         rollouts.response_ids,
         pad_id,
+        loss_masks=rollouts.loss_masks,
         rollout_logprobs=rollouts.engine_logprobs,
     )
     batch.advantages = torch.as_tensor(np.asarray(adv), dtype=torch.float32)

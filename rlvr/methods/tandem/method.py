@@ -24,6 +24,7 @@ class Tandem(Method):
 
     section = TandemConfig
     engine_state = True  # the author schedule, read by a logits processor in the engine
+    single_turn = "the junior co-writes one completion, switching authors at word boundaries"
     best_metric = "eval_tandem_accuracy"
 
     def generator_settings(self, model_dir: Path) -> dict[str, Any]:
