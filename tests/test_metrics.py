@@ -63,3 +63,23 @@ def test_each_weighted_reward_is_averaged_over_the_rollouts_it_scored():
         "reward/format_mean": pytest.approx(0.75),
     }
     assert reward_part_stats([]) == {}
+
+
+def test_agent_stats_per_trajectory_and_per_call():
+    from rlvr.run.metrics import agent_stats
+
+    flags = [
+        {"agent": {"turns": 3, "tool_calls": 2, "tool_errors": 1, "end_reason": "done"}},
+        {"agent": {"turns": 1, "tool_calls": 0, "tool_errors": 0, "end_reason": "done"}},
+        {"agent": {"turns": 4, "tool_calls": 6, "tool_errors": 0, "end_reason": "max_turns"}},
+        {"agent": {"turns": 2, "tool_calls": 0, "tool_errors": 0, "end_reason": "env_timeout"}},
+    ]
+    assert agent_stats(flags) == {
+        "agent_turns_mean": 2.5,
+        "agent_tool_calls_per_trajectory": 2.0,
+        "agent_tool_error_share": 1 / 8,
+        "agent_end_done": 0.5,
+        "agent_end_env_timeout": 0.25,
+        "agent_end_max_turns": 0.25,
+    }
+    assert agent_stats([{}, {"tandem": {}}]) == {}

@@ -34,7 +34,13 @@ from rlvr.models import cache_dir, resolve_model_path
 from rlvr.models.checks import check_lora_targets, check_model_dir
 from rlvr.models.sft import sft_warmup
 from rlvr.run.loggers import Loggers, check_loggers, open_loggers
-from rlvr.run.metrics import group_stats, reward_part_stats, rollout_stats, uncomputed_stats
+from rlvr.run.metrics import (
+    agent_stats,
+    group_stats,
+    reward_part_stats,
+    rollout_stats,
+    uncomputed_stats,
+)
 from rlvr.run.rundir import RunDir
 from rlvr.tasks import load_task
 from rlvr.tasks.base import Problem
@@ -176,6 +182,7 @@ class Trainer:
         metrics.update(rollout_stats(rollouts.rewards, rollouts.lengths, rollouts.finish_reasons))
         metrics.update(reward_part_stats(rollouts.reward_parts))
         metrics.update(group_stats(rollouts.rewards, rollouts.group_ids))
+        metrics.update(agent_stats(rollouts.flags))
         metrics.update(uncomputed)
         metrics.update(shape_stats)
         metrics.update(got.stats)

@@ -7,6 +7,7 @@ Pure functions over plain lists so the driver, the bench and the tests compute t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -88,3 +89,23 @@ def uncomputed_stats(statuses: Sequence[str], max_share: float, where: str) -> d
             "the step is not committed"
         )
     return {"reward_uncomputed": count, "reward_uncomputed_frac": share}
+
+
+def agent_stats(flags: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Per step of multi-turn rollouts (each rollout's `flags["agent"]`): the model's turns and
+    tool calls per trajectory, the share of calls that failed (a malformed call, an unknown tool,
+    bad arguments, an error, a timeout...), and the share of trajectories each end reason
+    ended; {} for single-turn rollouts."""
+    agents = [f["agent"] for f in flags if "agent" in f]
+    if not agents:
+        return {}
+    calls = sum(a["tool_calls"] for a in agents)
+    out = {
+        "agent_turns_mean": float(np.mean([a["turns"] for a in agents])),
+        "agent_tool_calls_per_trajectory": calls / len(agents),
+        "agent_tool_error_share": sum(a["tool_errors"] for a in agents) / calls if calls else 0.0,
+    }
+    reasons = [a["end_reason"] for a in agents]
+    for reason in sorted(set(reasons)):
+        out[f"agent_end_{reason}"] = reasons.count(reason) / len(agents)
+    return out
