@@ -694,8 +694,9 @@ def check_edge(host: str, port: int) -> None:
     key, as the edge does: a Serve instance that was running already keeps its own proxy."""
     address = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no $http_proxy
     try:
-        with urllib.request.urlopen(f"http://{netloc}{ROUTES_PATH}", timeout=30) as response:
+        with direct.open(f"http://{netloc}{ROUTES_PATH}", timeout=30) as response:
             status = response.status
     except urllib.error.HTTPError as err:
         status = err.code
