@@ -1,19 +1,24 @@
 """The `rlvr` command's own decisions, without training: where a demo writes, where the actors'
-output goes."""
+output goes, how a run answers Ctrl-C and SIGTERM, and that its cluster ends with its driver."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from rlvr.config import load_config
-from workflows import cli
+from workflows import cli, reaper, stopping
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["resources.policy_cpus=0.1", "resources.generator_cpus=0.1", "resources.num_verifiers=1"]
@@ -60,12 +65,22 @@ def test_init_ray_sends_worker_output_to_the_engine_log(tmp_path, monkeypatch):
     import ray
 
     calls = []
-    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+
+    def init(**kw):
+        calls.append(kw)
+        return SimpleNamespace(address_info={"session_dir": "/tmp/ray/session_x"})
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(cli, "mark_environment", lambda: calls.append("mark"))
+    monkeypatch.setattr(cli, "start_reaper", lambda session: calls.append(("reaper", session)))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = load_config(None, SMALL)
     cli.init_ray(cfg, tmp_path / "run" / cli.ENGINE_LOG)
     cli.init_ray(cfg)
-    quiet, loud = calls
+    # Each local cluster starts with the driver's mark, and its reaper knows its session.
+    reaper_of = ("reaper", "/tmp/ray/session_x")
+    assert calls[0] == calls[3] == "mark" and calls[2] == calls[5] == reaper_of
+    quiet, loud = calls[1], calls[4]
     assert quiet["log_to_driver"] is False and quiet["logging_level"] == logging.WARNING
     env = quiet["runtime_env"]
     assert env["env_vars"] == {cli.ENGINE_LOG_ENV: str(tmp_path / "run" / cli.ENGINE_LOG)}
@@ -246,3 +261,168 @@ def test_a_kv_cache_larger_than_free_memory_is_vllm_on_cpu_only(monkeypatch):
     huge.check("hf")
     monkeypatch.setattr(workflows.calibrate, "_on_gpu", lambda: True)
     huge.check("vllm")
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def test_ctrl_c_asks_for_a_stop_at_the_next_step_boundary(capsys):
+    """The first Ctrl-C only asks (and says so): the step in progress goes on, and the run stops
+    where the next would begin. A second one, or SIGTERM, stops at once. The handlers that were
+    there before come back after the run."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with stopping.stopping_on_signals():
+        stopping.stop_if_asked()  # nothing asked: the run goes on
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # a step in progress: the handler runs, and returns
+        assert "stopping after the current step (Ctrl-C again" in capsys.readouterr().err
+        with pytest.raises(stopping.RunStopped) as info:
+            stopping.stop_if_asked()
+        assert (info.value.signal_name, info.value.at_boundary, info.value.exit_code) == (
+            "SIGINT",
+            True,
+            130,
+        )
+        with pytest.raises(stopping.RunStopped) as info:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        assert not info.value.at_boundary
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    stopping.stop_if_asked()  # a new run starts with nothing asked
+    with stopping.stopping_on_signals():
+        with pytest.raises(stopping.RunStopped) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert (info.value.signal_name, info.value.at_boundary, info.value.exit_code) == (
+            "SIGTERM",
+            False,
+            143,
+        )
+        # While the actors are stopped, another SIGTERM takes the default way out.
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_the_reaper_stops_what_a_killed_driver_started_and_nothing_else(tmp_path):
+    """Once a driver is SIGKILLed, its reaper stops and names what carries a mark of its cluster:
+    a child, a grandchild that left the driver's tree (as Ray's agents outlive their raylet),
+    and a process without the environment mark that writes in the session directory (as Ray's
+    agents, whose titles overwrite their environment). A process the driver started before its
+    mark, and one that only reads a file of the session, are left alone."""
+    session = tmp_path / "session"
+    (session / "logs").mkdir(parents=True)
+    (session / "logs" / "agent.log").write_text("")
+    script = textwrap.dedent(
+        f"""
+        import os, subprocess, sys, time
+        from workflows.reaper import MARK_ENV, mark_environment, start_reaper
+
+        def python(code, **kw):
+            return subprocess.Popen([sys.executable, "-c", code], **kw)
+
+        sleep = "import time; time.sleep(600)"
+        quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        unmarked = python(sleep, **quiet)
+        mark_environment()
+        start_reaper({str(session)!r})
+        child = python(sleep)
+        detach = (
+            "import subprocess, sys; print(subprocess.Popen(sys.argv[1:], "
+            "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"
+        )
+        grandchild = subprocess.run(
+            [sys.executable, "-c", detach, sys.executable, "-c", sleep],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        clean = {{k: v for k, v in os.environ.items() if k != MARK_ENV}}
+        log = {str(session / "logs" / "agent.log")!r}
+        writer = python(f"f = open({{log!r}}, 'a'); {{sleep}}", env=clean)
+        reader = python(f"f = open({{log!r}}); {{sleep}}", env=clean, **quiet)
+        time.sleep(1)  # both have opened the log
+        print(child.pid, grandchild, writer.pid, unmarked.pid, reader.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    *cluster, unmarked, reader = map(int, driver.stdout.readline().split())
+    spared = [psutil.Process(unmarked), psutil.Process(reader)]
+    started = [psutil.Process(pid) for pid in cluster]
+    try:
+        [the_reaper] = [
+            p for p in psutil.Process(driver.pid).children() if "workflows.reaper" in p.cmdline()
+        ]
+        marks = the_reaper.cmdline()[-2:]
+        assert sorted(p.pid for p in reaper.marked(*marks)) == sorted(cluster)
+        driver.kill()
+        driver.wait()
+        the_reaper.wait(timeout=120)
+        assert reaper.marked(*marks) == []
+        assert all(p.is_running() for p in spared)
+        said = driver.stderr.read().decode()
+        assert f"the driver (pid {driver.pid}) has ended; stopped what was left" in said
+        for pid in cluster:
+            assert f"python (pid {pid})" in said or f"python3.11 (pid {pid})" in said
+    finally:
+        driver.kill()
+        for proc in spared + started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+
+
+@pytest.mark.ray
+def test_sigterm_stops_a_driver_waiting_on_an_actor_at_once(tmp_path):
+    """A driver blocked in `ray.get` on a step, as `rlvr train` is, after Ray installed its own
+    handlers (which abort the process on SIGTERM, and drop any exception but KeyboardInterrupt
+    that a handler raises inside `ray.get`): SIGTERM stops it at once, though the actor sleeps on
+    for 600 s, and says where the run resumes. The actor sends the signal mid-step, so no race
+    decides where it lands. Nothing of the cluster is left once the driver has ended."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        import psutil, ray
+        from rlvr.config import load_config
+        from workflows.cli import init_ray, report_stop
+        from workflows.stopping import RunStopped, stop_if_asked, stopping_on_signals
+
+        class Step:
+            def run(self, driver, signum, seconds):
+                if signum:
+                    os.kill(driver, signum)
+                time.sleep(seconds)
+
+        init_ray(load_config(None, {SMALL!r}))
+        [reaper] = [p for p in psutil.Process().children() if "workflows.reaper" in p.cmdline()]
+        print("reaper", *reaper.cmdline()[-2:], flush=True)
+        step_actor = ray.remote(Step).options(num_cpus=0).remote()
+        ray.get(step_actor.run.remote(0, 0, 0))
+        try:
+            with stopping_on_signals():
+                for step in range(3):
+                    stop_if_asked()
+                    signum = signal.SIGTERM if step == 1 else 0
+                    ray.get(step_actor.run.remote(os.getpid(), signum, 600 * (step == 1)))
+                    print(f"committed {{step}}", flush=True)
+        except RunStopped as stop:
+            sys.exit(report_stop(stop, Path({str(run)!r})))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out, _ = driver.communicate(timeout=300)  # the reaper holds the pipe until it is done
+    assert driver.returncode == 143, out[-4000:]
+    [marks] = [line.split()[1:] for line in out.splitlines() if line.startswith("reaper ")]
+    lines = [line for line in out.splitlines() if line.startswith(("committed", "rlvr:"))]
+    hint = f"its last committed step is 3: `rlvr train --resume {run}` continues from there"
+    assert lines[:2] == ["committed 0", f"rlvr: stopped by SIGTERM at once; {hint}"]
+    assert reaper.marked(*marks) == []

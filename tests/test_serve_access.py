@@ -17,6 +17,7 @@ from rlvr.serving.access import (
     is_loopback,
     key_digest,
     operator_key,
+    parse_host,
     read_keys,
 )
 from rlvr.serving.api import (
@@ -28,8 +29,9 @@ from rlvr.serving.api import (
     served_prompt,
 )
 from rlvr.serving.config import load_serve_config
+from rlvr.serving.edge import EdgeGuard, EdgePolicy, proxy_middlewares
 from rlvr.tasks.prompts import DEFAULT_INSTRUCTION
-from workflows.serve import _respond, resolve_access
+from workflows.serve import _respond, api, resolve_access
 
 CLIENT = "client-key-0123456789"
 OPERATOR = "operator-key-0123456789"
@@ -74,6 +76,47 @@ def test_a_foreign_host_header_is_refused_on_loopback(host):
     with pytest.raises(ApiError) as info:
         POLICY.admit(headers, True)
     assert (info.value.status, info.value.code) == (403, "host_not_allowed")
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "localhost:evil.example",
+        "localhost:8000@evil.example",
+        "127.0.0.1:x",
+        "[::1]evil.example",
+        "[::1",
+        "::1",
+        "localhost:",
+        "localhost:0",
+        "localhost:65536",
+        "local host",
+    ],
+)
+def test_a_host_header_that_is_not_a_host_and_port_is_a_400(host):
+    """Nothing after the host is dropped unread: junk after a colon or a bracket is no port."""
+    assert parse_host(host) is None
+    for policy in (POLICY, AccessPolicy.build([], [OPERATOR], ())):  # also where any host goes
+        with pytest.raises(ApiError) as info:
+            policy.admit({"host": host, "authorization": f"Bearer {OPERATOR}"}, True)
+        assert (info.value.status, info.value.code) == (400, "invalid_host_header")
+        assert info.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("host", "parsed"),
+    [
+        ("localhost", ("localhost", None)),
+        ("localhost:8000", ("localhost", 8000)),
+        ("[::1]:8000", ("[::1]", 8000)),
+        ("127.0.0.1", ("127.0.0.1", None)),
+        ("LOCALHOST:65535", ("localhost", 65535)),
+        ("[0:0:0:0:0:0:0:1]:1", ("[::1]", 1)),
+    ],
+)
+def test_loopback_names_with_or_without_a_port_are_answered(host, parsed):
+    assert parse_host(host) == parsed
+    POLICY.admit({"host": host, "authorization": f"Bearer {OPERATOR}"}, True)
 
 
 def test_loopback_and_default_hosts():
@@ -126,6 +169,11 @@ def test_resolve_access_reads_every_source_and_refuses_an_open_public_bind(tmp_p
         resolve_access(cfg, {"RLVR_API_KEYS": "short"})
     with pytest.raises(ConfigError, match=r"http\.api_keys\.0"):
         serve_config(tmp_path, "http.api_keys=[tiny]")
+    # Allowed hosts are names or addresses without a port, IPv6 with or without brackets.
+    policy, _ = resolve_access(serve_config(tmp_path, "http.allowed_hosts=[API.example, '::1']"))
+    assert policy.allowed_hosts == ("api.example", "[::1]")
+    with pytest.raises(ConfigError, match=r"http\.allowed_hosts\.0.*without a port"):
+        serve_config(tmp_path, "http.allowed_hosts=[api.example:8000]")
 
 
 def test_an_api_error_keeps_its_headers():
@@ -191,3 +239,122 @@ def test_the_prompt_form_is_part_of_the_scorer_version(tmp_path):
     del old["chat_template"]  # written before the field existed: chat, as calibrate rendered
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert Calibration.load(tmp_path / "old.json").chat_template is True
+
+
+# --------------------------------------------------------------------------- the edge
+
+
+@pytest.fixture
+def edge(monkeypatch):
+    """`edge(open_healthz, app)`: a client of `app` (the server's) behind the edge, built as Serve's
+    proxy builds it: its callback, the policy read from the environment the proxy starts with."""
+    from starlette.testclient import TestClient
+
+    def client(open_healthz: bool = False, app=api) -> TestClient:
+        for name, value in EdgePolicy(POLICY, open_healthz).environment().items():
+            monkeypatch.setenv(name, value)
+        [middleware] = proxy_middlewares()
+        guard = middleware.cls(app, *middleware.args, **middleware.kwargs)
+        assert isinstance(guard, EdgeGuard)
+        return TestClient(guard, base_url="http://127.0.0.1:8000")
+
+    return client
+
+
+def error_of(response) -> tuple[int, str]:
+    """(status, code) of a response that must carry the OpenAI error shape."""
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    assert response.headers["content-type"] == "application/json"
+    return response.status_code, body["error"]["code"]
+
+
+UNSERVED = [
+    ("GET", "/nope"),
+    ("GET", "/v1/models/"),  # a trailing slash is not redirected: 404, not 307
+    ("GET", "/v1/chat/completions"),
+    ("DELETE", "/v1/feedback"),
+    ("GET", "/-/routes"),
+    ("GET", "/-/healthz"),
+    ("GET", "/v1/models"),
+]
+
+
+def test_the_edge_asks_for_a_key_before_any_path_is_routed(edge):
+    """Without a key every path is a 401 like a served one, so routes cannot be enumerated; with
+    a client key, what is not served is a 404 or 405 in the error shape of every other error."""
+    client = edge()
+    for method, path in UNSERVED:
+        refused = client.request(method, path)
+        assert error_of(refused) == (401, "invalid_api_key"), path
+        assert refused.headers["www-authenticate"] == 'Bearer realm="rlvr"'
+        assert error_of(client.request(method, path, headers={"host": "evil.example"}))[0] == 403
+        malformed = client.request(method, path, headers={"host": "localhost:8000@evil.example"})
+        assert error_of(malformed) == (400, "invalid_host_header")
+    keyed = {"authorization": f"Bearer {CLIENT}"}
+    assert error_of(client.get("/nope", headers=keyed)) == (404, "not_found")
+    assert error_of(client.get("/v1/models/", headers=keyed)) == (404, "not_found")
+    wrong = client.get("/v1/chat/completions", headers=keyed)
+    assert error_of(wrong) == (405, "method_not_allowed") and wrong.headers["allow"] == "POST"
+    # Serve's route listing takes the operator key (behind the edge it is the proxy's to answer;
+    # here the app behind says it does not serve it, so the edge let it through).
+    assert error_of(client.get("/-/routes", headers=keyed)) == (403, "operator_key_required")
+    operator = {"authorization": f"Bearer {OPERATOR}"}
+    assert error_of(client.get("/-/routes", headers=operator)) == (404, "not_found")
+    assert error_of(client.get("/-/healthz", headers=keyed)) == (404, "not_found")
+
+
+def test_an_open_health_check_opens_that_path_alone(edge):
+    """For a load balancer that cannot send a key (nor knows the served name)."""
+    client = edge(open_healthz=True)
+    probe = {"host": "10.0.0.5:8000"}
+    assert error_of(client.get("/-/healthz", headers=probe)) == (404, "not_found")  # let through
+    assert client.head("/-/healthz").status_code == 404
+    assert error_of(client.post("/-/healthz"))[0] == 401
+    assert error_of(client.get("/-/routes"))[0] == 401
+    assert error_of(client.get("/nope"))[0] == 401
+
+
+def test_errors_the_proxy_writes_in_plain_text_leave_in_the_openai_shape(edge):
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse
+    from starlette.routing import Route
+
+    async def no_replica(request):
+        return PlainTextResponse("no healthy replica", 503, headers={"Retry-After": "2"})
+
+    async def not_found(request):
+        return PlainTextResponse("Path '/x' not found. Ping http://.../-/routes", 404)
+
+    async def json_error(request):
+        return JSONResponse({"error": {"message": "own"}}, 500)
+
+    async def text(request):
+        return PlainTextResponse("fine")
+
+    proxy = Starlette(
+        routes=[
+            Route("/busy", no_replica),
+            Route("/x", not_found),
+            Route("/own", json_error),
+            Route("/text", text),
+        ]
+    )
+    client = edge(app=proxy)
+    keyed = {"authorization": f"Bearer {CLIENT}"}
+    busy = client.get("/busy", headers=keyed)
+    assert error_of(busy) == (503, "service_unavailable")
+    assert busy.json()["error"]["message"] == "no healthy replica"
+    assert busy.json()["error"]["type"] == "unavailable" and busy.headers["retry-after"] == "2"
+    lost = client.get("/x", headers=keyed)
+    assert error_of(lost) == (404, "not_found") and "/-/routes" not in lost.text
+    assert client.get("/own", headers=keyed).json() == {"error": {"message": "own"}}
+    assert client.get("/text", headers=keyed).text == "fine"
+
+
+def test_a_refused_websocket_is_closed_before_it_opens(edge):
+    from starlette.websockets import WebSocketDisconnect
+
+    with pytest.raises(WebSocketDisconnect) as info, edge().websocket_connect("/v1/models"):
+        pass
+    assert info.value.code == 1008

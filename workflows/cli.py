@@ -1,10 +1,12 @@
 """The `rlvr` command: train, resume, demo, plot, serve, calibrate, evaluate, tandem-eval, export,
 and DRO's filter and rubrics.
 
-`rlvr train` starts a local Ray cluster bound to 127.0.0.1, or joins the cluster named by
-RAY_ADDRESS (as `ray job submit` sets it). Configuration errors exit with status 2 before any
-actor starts. The actors' own output (vLLM, DeepSpeed, Ray's worker lines) goes to the run's
-`engine.log` unless `--engine-logs` asks for it on the console.
+`rlvr train` starts a local Ray cluster bound to 127.0.0.1, which ends with it however it ends
+(`workflows.reaper`), or joins the cluster named by RAY_ADDRESS (as `ray job submit` sets it).
+Configuration errors exit with status 2 before any actor starts. The actors' own output (vLLM,
+DeepSpeed, Ray's worker lines) goes to the run's `engine.log` unless `--engine-logs` asks for it
+on the console. Ctrl-C stops a run after its current step, a second Ctrl-C or SIGTERM at once
+(`workflows.stopping`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 from rlvr.config import Config, ConfigError, load_config
 from rlvr.run.placement import check_cluster
 from rlvr.serving.config import ServeConfig
+from workflows.reaper import mark_environment, start_reaper
+from workflows.stopping import RunStopped, stopping_on_signals
 
 DEMO_CONFIG = "smollm2-arith"
 """The shipped preset `rlvr demo` trains (`rlvr.config.presets`)."""
@@ -100,7 +104,8 @@ def init_ray(cfg: Config | ServeConfig, engine_log: Path | None = None) -> None:
         import torch
 
         fits([{"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}])
-        ray.init(
+        mark_environment()  # before the cluster starts: its processes inherit the mark
+        context = ray.init(
             address="local",  # a cluster of its own, never one another process started
             num_cpus=cpus,
             namespace=NAMESPACE,
@@ -108,6 +113,7 @@ def init_ray(cfg: Config | ServeConfig, engine_log: Path | None = None) -> None:
             _node_ip_address="127.0.0.1",
             **output,
         )
+        start_reaper(context.address_info["session_dir"])
 
 
 def announce_engine_log(run_path: Path) -> Path:
@@ -133,11 +139,34 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_path = run_path_for(cfg)
     prepared = prepare_training(cfg)  # bad input fails here, before Ray or any actor starts
     init_ray(cfg, announce_engine_log(run_path) if quiet else None)
-    summary = train(
-        cfg, run_path, resume=bool(args.resume), use_actors=not args.in_process, prepared=prepared
-    )
+    try:
+        with stopping_on_signals():
+            summary = train(
+                cfg,
+                run_path,
+                resume=bool(args.resume),
+                use_actors=not args.in_process,
+                prepared=prepared,
+            )
+    except RunStopped as stop:
+        return report_stop(stop, run_path)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def report_stop(stop: RunStopped, run_path: Path) -> int:
+    """Say where a run stopped by a signal can continue; its exit status (128 + the signal)."""
+    from rlvr.run.rundir import RunDir
+
+    how = "after the current step" if stop.at_boundary else "at once"
+    last = RunDir(run_path).last_completed_step()
+    where = (
+        f"its last committed step is {last}: `rlvr train --resume {run_path}` continues from there"
+        if last is not None
+        else "no step was committed"
+    )
+    print(f"rlvr: stopped by {stop.signal_name} {how}; {where}", file=sys.stderr)
+    return stop.exit_code
 
 
 def fresh_run_name(output_dir: Path, name: str) -> str:
@@ -177,7 +206,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     run_path = demo_run_path(cfg, args.overwrite)
     prepared = prepare_training(cfg)
     init_ray(cfg, None if args.engine_logs else announce_engine_log(run_path))
-    summary = train(cfg, run_path, prepared=prepared)
+    try:
+        with stopping_on_signals():
+            summary = train(cfg, run_path, prepared=prepared)
+    except RunStopped as stop:
+        return report_stop(stop, run_path)
     print(format_before_after(summary))
     from workflows.plot import plot_run
 

@@ -29,6 +29,8 @@ import os
 import secrets
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 from ray.exceptions import RayActorError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from actors.controller import NAMESPACE, ControllerActor, controller_name
 from rlvr.algorithms.csa import AlreadyLabelledError, UnknownSeqError
@@ -72,6 +75,7 @@ from rlvr.serving.api import (
     vote,
 )
 from rlvr.serving.config import ServeConfig
+from rlvr.serving.edge import ROUTES_PATH, EdgePolicy, http_error
 from rlvr.serving.live_updates import UPDATER_FILE, UpdaterState, adapter_dir
 from rlvr.serving.stream_host import LabelSourceError, StreamSpec, UnknownStreamError
 from rlvr.tasks.prompts import render_messages, render_text
@@ -228,8 +232,23 @@ def prepare_serve(cfg: ServeConfig) -> PreparedServe:
 
 # --------------------------------------------------------------------------- the deployment
 
-# No /docs, /redoc or /openapi.json: the server answers only what it serves.
-api = FastAPI(title="rlvr CSA server", docs_url=None, redoc_url=None, openapi_url=None)
+# No /docs, /redoc or /openapi.json: the server answers only what it serves. No redirects of a
+# path with a trailing slash either: such a path is not served, and says so.
+api = FastAPI(
+    title="rlvr CSA server",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+    redirect_slashes=False,
+)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def unserved(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """A path or method the app does not serve (the framework's 404 and 405) answered in the
+    OpenAI error shape of every other error; the edge has admitted the caller already."""
+    err = http_error(exc.status_code, request.method, request.url.path, str(exc.detail))
+    return JSONResponse(err.body(), status_code=err.status, headers=exc.headers)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -638,14 +657,19 @@ def start_serving(
     """Start Serve on cfg.http, open the streams, run the app; returns the ControllerActor.
 
     Keep the returned handle: the actor is not detached, so it ends when its handles are gone.
+    The proxy starts with the edge (`rlvr.serving.edge`) in front of everything it answers.
     """
+    edge = EdgePolicy(prepared.settings.access, open_healthz=cfg.http.open_health_check)
     serve.start(
         http_options={
             "host": cfg.http.host,
             "port": cfg.http.port,
             "request_timeout_s": cfg.http.request_timeout_s,
-        }
+        },
+        # The controller's environment is the one its proxies start with.
+        controller_options={"runtime_env": {"env_vars": edge.environment()}},
     )
+    check_edge(cfg.http.host, cfg.http.port)
     controller = ensure_controller(cfg, prepared.state_dir)
     # A live deployment restarts on its newest published version, not back on the base weights.
     policy = prepared.policy
@@ -663,6 +687,25 @@ def start_serving(
         )
     serve.run(build_app(cfg, prepared, gate), name=app_name, route_prefix=route_prefix)
     return controller
+
+
+def check_edge(host: str, port: int) -> None:
+    """RuntimeError unless the proxy on host:port refuses its route listing to a caller without a
+    key, as the edge does: a Serve instance that was running already keeps its own proxy."""
+    address = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no $http_proxy
+    try:
+        with direct.open(f"http://{netloc}{ROUTES_PATH}", timeout=30) as response:
+            status = response.status
+    except urllib.error.HTTPError as err:
+        status = err.code
+    if status not in (401, 403):
+        raise RuntimeError(
+            f"the Serve proxy on {netloc} answers {ROUTES_PATH} without a key ({status}): a Serve "
+            "instance started elsewhere runs in this cluster without rlvr's access checks; shut "
+            "it down (`serve shutdown`) first"
+        )
 
 
 def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:

@@ -51,6 +51,7 @@ from rlvr.training.losses import policy_loss
 from workflows.ahead import AheadCollector
 from workflows.components import Components, start_components
 from workflows.services import RunServices
+from workflows.stopping import stop_if_asked
 from workflows.workers import ActorFailure
 
 log = logging.getLogger(__name__)
@@ -491,6 +492,7 @@ def _train_after(
             unit="step",
         )
         for step in bar:
+            stop_if_asked()  # asked during the step before (now committed) or the first evaluation
             metrics = trainer.step(step)
             is_last = step == cfg.run.steps - 1
             if is_last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):

@@ -1,4 +1,4 @@
-"""Who may call the CSA server: API keys, the operator key, and the Host header on loopback.
+"""Who may call the CSA server: API keys, the operator key, and the Host header.
 
 Keys are compared as SHA-256 digests (`hmac.compare_digest`), so replicas never hold a key in
 the clear and a comparison takes the same time whichever byte differs. Client keys open the
@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ OPERATOR_KEY_ENV = "RLVR_OPERATOR_KEY"
 OPERATOR_KEY_FILE = "operator.key"
 """Where `rlvr serve` keeps a generated operator key: in the stream state directory, mode 0600."""
 MIN_KEY_CHARS = 16
-_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+_NAME = re.compile(r"[a-z0-9._-]+")
+_PORT = re.compile(r"[0-9]{1,5}")
 
 
 def key_digest(key: str) -> str:
@@ -85,6 +88,42 @@ def operator_key(
     return key, str(path)
 
 
+def parse_host(value: str) -> tuple[str, int | None] | None:
+    """(host, port) of a Host header value: `name`, `IPv4` or `[IPv6]`, each with an optional
+    `:port` of 1-65535; the host lower-cased, IPv6 in its short form in brackets. None if the
+    value is anything else: nothing after the host is dropped unread, so `localhost:evil.example`
+    or `[::1]evil.example` is not a loopback name with junk after it but not a Host at all."""
+    value = value.lower()
+    if value.startswith("["):
+        address, bracket, rest = value[1:].partition("]")
+        try:
+            host = f"[{ipaddress.IPv6Address(address).compressed}]"
+        except ValueError:
+            return None
+        if not bracket or (rest and not rest.startswith(":")):
+            return None
+        has_port, port = bool(rest), rest[1:]
+    else:
+        host, colon, port = value.partition(":")
+        has_port = bool(colon)
+        if not _NAME.fullmatch(host):
+            return None
+    if not has_port:
+        return host, None
+    if not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
+        return None
+    return host, int(port)
+
+
+def allowed_host(entry: str) -> str:
+    """An `http.allowed_hosts` entry as `parse_host` writes hosts (an IPv6 address may come
+    without brackets); ValueError for anything else, a port included."""
+    parsed = parse_host(f"[{entry}]" if ":" in entry and "[" not in entry else entry)
+    if parsed is None or parsed[1] is not None:
+        raise ValueError(f"{entry!r} is not a host name or address without a port")
+    return parsed[0]
+
+
 def is_loopback(host: str) -> bool:
     """Whether a bind address only accepts connections from this machine."""
     if host == "localhost":
@@ -116,7 +155,7 @@ class AccessPolicy:
         return cls(
             tuple(key_digest(k) for k in client_keys),
             tuple(key_digest(k) for k in operator_keys),
-            tuple(h.lower() for h in allowed_hosts),
+            tuple(allowed_host(h) for h in allowed_hosts),
         )
 
     def admit(self, headers: dict[str, str], operator: bool) -> None:
@@ -143,14 +182,14 @@ class AccessPolicy:
         raise _unauthorized("invalid API key")
 
     def _check_host(self, host: str) -> None:
-        if not self.allowed_hosts:
-            return
-        name = host.lower()
-        if name.startswith("["):
-            name = name[: name.find("]") + 1] if "]" in name else name
-        else:
-            name = name.rsplit(":", 1)[0] if name.count(":") == 1 else name
-        if name not in self.allowed_hosts:
+        parsed = parse_host(host)
+        if parsed is None and host:
+            raise ApiError(
+                400,
+                f"Host {host!r} is not a host name or address with an optional port (1-65535)",
+                code="invalid_host_header",
+            )
+        if self.allowed_hosts and (parsed is None or parsed[0] not in self.allowed_hosts):
             raise ApiError(
                 403,
                 f"Host {host!r} is not served here (allowed: {', '.join(self.allowed_hosts)}; "

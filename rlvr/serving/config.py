@@ -21,7 +21,13 @@ from rlvr.config import (
     read_yaml_sections,
     vllm_on_cpu,
 )
-from rlvr.serving.access import API_KEYS_ENV, OPERATOR_KEY_ENV, OPERATOR_KEY_FILE, check_key
+from rlvr.serving.access import (
+    API_KEYS_ENV,
+    OPERATOR_KEY_ENV,
+    OPERATOR_KEY_FILE,
+    allowed_host,
+    check_key,
+)
 from rlvr.serving.stream_host import STREAM_NAME, StreamSpec
 
 
@@ -168,15 +174,22 @@ class ServeHTTPConfig(Section):
         f"/v1/csa/status (${OPERATOR_KEY_ENV} overrides it; neither: a key is generated once "
         f"into the state directory's {OPERATOR_KEY_FILE}).",
     )
-    allowed_hosts: list[str] | None = Field(
+    allowed_hosts: list[Annotated[str, AfterValidator(allowed_host)]] | None = Field(
         None,
-        description="Host header names answered (others: 403). None: the loopback names when "
-        "bound to loopback, any otherwise; []: any.",
+        description="Host header names answered (others: 403; a Host header that is not a "
+        "name or address with an optional port: 400). None: the loopback names when bound to "
+        "loopback, any otherwise; []: any.",
     )
     allow_unauthenticated: bool = Field(
         False,
         description="Bind an address beyond loopback with the OpenAI endpoints open (no client "
         "API keys); refused otherwise.",
+    )
+    open_health_check: bool = Field(
+        False,
+        description="Answer GET /-/healthz without a key or Host check, for a load balancer "
+        "whose probes cannot send one (it tells only whether the proxy takes traffic: 200 "
+        "`success`, else 503). Otherwise it asks what the OpenAI endpoints ask.",
     )
 
 

@@ -174,7 +174,8 @@ def _unknown_ids(rng: random.Random, creds: Credentials) -> Case:
 
 
 def _wrong_credentials(rng: random.Random, creds: Credentials) -> Case:
-    path = rng.choice([CHAT, TEXT, FEEDBACK, STATUS, MODELS])
+    # Paths the server does not serve, Serve's route listing among them, ask for a key too.
+    path = rng.choice([CHAT, TEXT, FEEDBACK, STATUS, MODELS, "/v1/nothing", "/-/routes"])
     headers = {"content-type": "application/json"}
     choice = rng.randrange(4)
     if choice == 1:
@@ -185,7 +186,7 @@ def _wrong_credentials(rng: random.Random, creds: Credentials) -> Case:
         # a client key where only the operator key opens the door
         path = rng.choice([FEEDBACK, STATUS])
         headers["authorization"] = f"Bearer {creds.client_key}"
-    method = "GET" if path in (STATUS, MODELS) else "POST"
+    method = "POST" if path in (CHAT, TEXT, FEEDBACK) else "GET"
     body = None if method == "GET" else json.dumps(_chat(creds)).encode()
     return Case("wrong_credentials", method, path, body, headers)
 
@@ -198,7 +199,8 @@ def _wrong_request(rng: random.Random, creds: Credentials) -> Case:
         }
         return Case("wrong_request", "POST", CHAT, json.dumps(_chat(creds)).encode(), headers)
     if choice == 1:
-        headers = _auth(creds, CHAT) | {"host": rng.choice(["evil.example", "10.0.0.1:8000"])}
+        hosts = ["evil.example", "10.0.0.1:8000", "localhost:evil.example", "[::1]evil.example"]
+        headers = _auth(creds, CHAT) | {"host": rng.choice(hosts)}
         return Case("wrong_request", "POST", CHAT, json.dumps(_chat(creds)).encode(), headers)
     if choice == 2:
         path = rng.choice(["/docs", "/openapi.json", "/v1/nothing", "/v2/chat/completions"])

@@ -424,6 +424,11 @@ def bad_requests(server) -> list[tuple[str, str, dict, int]]:
         # a page on another origin that rebinds its own name to 127.0.0.1
         ("POST", cc, {"json": chat, "headers": {"host": "evil.example"}}, 403),
         ("GET", "/v1/csa/status", {"headers": {"host": "evil.example:8000"}}, 403),
+        # a Host that is not a host and a port: nothing after the host is dropped unread
+        ("POST", cc, {"json": chat, "headers": {"host": "localhost:evil.example"}}, 400),
+        ("GET", "/v1/models", {"headers": {"host": "localhost:8000@evil.example"}}, 400),
+        ("GET", "/v1/csa/status", {"headers": {"host": "127.0.0.1:x"}}, 400),
+        ("GET", "/nope", {"headers": {"host": "[::1]evil.example"}}, 400),
     ]
 
 
@@ -453,8 +458,7 @@ def test_bad_input_is_4xx_json_and_changes_nothing(server):
             headers = {k: v for k, v in (OPERATOR | kwargs.get("headers", {})).items() if v}
             r = http.request(method, path, **(kwargs | {"headers": headers}))
             assert r.status_code == status, (path, kwargs.get("json"), r.text)
-            body = r.json()
-            assert "error" in body or "detail" in body
+            assert set(r.json()) == {"error"}, (path, r.text)  # one error shape for every path
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         client.chat.completions.create(
             model=server["model"], messages=[{"role": "user", "content": "x"}], n=2
@@ -463,6 +467,41 @@ def test_bad_input_is_4xx_json_and_changes_nothing(server):
         client.completions.create(model="nope", prompt="x")
     assert {s: remote_state(server, s) for s in STREAMS} == before
     assert {p.name: p.read_bytes() for p in server["state_dir"].iterdir()} == files
+
+
+@pytest.mark.ray
+def test_every_path_asks_for_the_key_and_answers_in_one_error_shape(server):
+    """Through Serve's proxy: without a key every path, served or not, Serve's own route listing
+    and health check included, is a 401 (so routes cannot be enumerated); with a client key what
+    is not served is a 404 or 405 (a trailing slash is not redirected), the route listing needs
+    the operator key, and the health check answers."""
+    unserved = [
+        ("GET", "/nope"),
+        ("GET", "/v1/models/"),
+        ("GET", "/v1/chat/completions"),
+        ("PUT", "/v1/feedback"),
+        ("GET", "/-/routes"),
+        ("GET", "/-/healthz"),
+    ]
+    with httpx.Client(base_url=server["url"], timeout=30, follow_redirects=False) as http:
+        for method, path in unserved:
+            r = http.request(method, path)
+            assert r.status_code == 401, (method, path, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == 'Bearer realm="rlvr"'
+        for path, status, code in [
+            ("/nope", 404, "not_found"),
+            ("/v1/models/", 404, "not_found"),
+            ("/-/routes", 403, "operator_key_required"),
+        ]:
+            r = http.get(path, headers=CLIENT)
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+        wrong = http.get("/v1/chat/completions", headers=CLIENT)
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+        assert set(wrong.json()) == {"error"}
+        assert http.get("/-/routes", headers=OPERATOR).json() == {"/": "rlvr-csa"}
+        health = http.get("/-/healthz", headers=CLIENT)
+        assert (health.status_code, health.text) == (200, "success")
 
 
 @pytest.mark.ray
@@ -756,9 +795,10 @@ def test_a_replica_killed_under_load_leaves_the_streams_intact(server):
 
 
 def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_free_ports):
-    """`rlvr serve` as a user starts it, with live updates on: it serves, prints where the
-    operator key and the live adapters are, opens /v1/csa/status only to that key, and shuts
-    down cleanly on Ctrl-C (the updater's policy rank too)."""
+    """`rlvr serve` as a user starts it, with live updates on, client keys and an open health
+    check: it serves, prints where the operator key and the live adapters are, opens
+    /v1/csa/status only to that key and /-/healthz to anyone, and shuts down cleanly on Ctrl-C
+    (the updater's policy rank too)."""
     import signal
 
     cal = Calibration(
@@ -783,6 +823,8 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_fr
         "live.enabled=true",
         "live.cpus=0",
         f"live.dir={tmp_path / 'live'}",
+        f"http.api_keys=[{CLIENT_KEY}]",
+        "http.open_health_check=true",
     ]
     proc = run_cli(["serve", "--config", str(SERVE_TINY), *[f"--set={s}" for s in sets]])
     lines: list[str] = []
@@ -794,7 +836,11 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_fr
         while not any(line.startswith("live updates: ") for line in lines):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
             time.sleep(0.2)
-        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers=CLIENT, timeout=30).status_code == 200
+        # A load balancer's probe needs no key; the route listing still does.
+        assert httpx.get(f"{url}/-/healthz", timeout=30).text == "success"
+        assert httpx.get(f"{url}/-/routes", timeout=30).status_code == 401
         key = (tmp_path / "state" / "operator.key").read_text().strip()
         assert httpx.get(f"{url}/v1/csa/status", timeout=30).status_code == 401
         status = httpx.get(

@@ -1,0 +1,83 @@
+"""How a run ends on a signal: the first Ctrl-C lets the step in progress commit and stops the run
+there (saying so at once), a second Ctrl-C or a SIGTERM stops it at once. Either way the step
+loop's cleanup stops the actors, Ray's exit takes the cluster down, and `--resume` continues after
+the last committed step.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_asked: list[str] = []
+"""The signal that asked for a stop at the next step boundary (signals are process-wide)."""
+_now: list[str] = []
+"""The signal that stopped the run at once."""
+
+
+class RunStopped(KeyboardInterrupt):
+    """A run stopped by a signal. A KeyboardInterrupt: raised in the main thread wherever it
+    waits, it passes every `except Exception` and runs every `finally`, and it is the one
+    exception that `ray.get` passes on from a signal handler (as a bare KeyboardInterrupt; any
+    other it prints and drops, waiting on)."""
+
+    def __init__(self, signal_name: str, at_boundary: bool) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+        self.at_boundary = at_boundary
+        self.exit_code = 128 + signal.Signals[signal_name].value
+
+
+def stop_if_asked() -> None:
+    """At a step boundary: stop the run here if a Ctrl-C asked for it."""
+    if _asked:
+        raise RunStopped(_asked[0], at_boundary=True)
+
+
+@contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    """Answer Ctrl-C and SIGTERM as this module says while the block runs (in the main thread,
+    after `ray.init`, whose own handlers abort the process on SIGTERM); the previous handlers
+    come back after it."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _asked.clear()
+    _now.clear()
+    signal.signal(signal.SIGINT, _on_interrupt)
+    signal.signal(signal.SIGTERM, _on_terminate)
+    try:
+        yield
+    except RunStopped:
+        raise
+    except KeyboardInterrupt:  # the stop, as `ray.get` raises it again
+        raise RunStopped(_now[0] if _now else "SIGINT", at_boundary=False) from None
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _asked.clear()
+        _now.clear()
+
+
+def _on_interrupt(signum: int, frame: object) -> None:
+    if _asked:
+        _stop_now("SIGINT")
+    _asked.append("SIGINT")
+    print(
+        "\nrlvr: Ctrl-C: stopping after the current step (Ctrl-C again to stop now)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _on_terminate(signum: int, frame: object) -> None:
+    _stop_now("SIGTERM")
+
+
+def _stop_now(signal_name: str) -> None:
+    # Once: a signal while the actors are being stopped takes the default way out, and Ray's
+    # exit (or, for SIGTERM, the reaper) still takes the cluster down.
+    _now.append(signal_name)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise RunStopped(signal_name, at_boundary=False)
