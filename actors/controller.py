@@ -10,7 +10,6 @@ from typing import Any
 
 from rlvr.methods.state import ControllerState
 from rlvr.run.controller import TrainingController
-from rlvr.serving.stream_host import CSAStreamHost, StreamSpec
 
 NAMESPACE = "rlvr"
 
@@ -24,11 +23,8 @@ class ControllerActor:
         self,
         group_size: int,
         method: ControllerState | None = None,
-        csa_dir: str | None = None,
     ):
         self.state = TrainingController(group_size, method=method)
-        # Served CSA streams, restored from csa_dir on every (re)start of this actor.
-        self.csa = CSAStreamHost(csa_dir) if csa_dir else None
 
     def plan_step(self, step: int, prompt_ids: list[str]) -> dict[str, Any]:
         return self.state.plan_step(step, prompt_ids)
@@ -59,58 +55,3 @@ class ControllerActor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.state.load_state_dict(state)
-
-    # CSA streams (rlvr.serving.stream_host): this actor is their only writer, so seq order is the filtration.
-
-    def _csa(self) -> CSAStreamHost:
-        if self.csa is None:
-            raise RuntimeError(
-                "this ControllerActor hosts no CSA streams (started without csa_dir)"
-            )
-        return self.csa
-
-    def csa_open(
-        self, name: str, spec: dict[str, Any], policy: str | None = None, scorer: str | None = None
-    ) -> dict[str, Any]:
-        return self._csa().open_stream(name, StreamSpec.from_dict(spec), policy, scorer)
-
-    def csa_decide(
-        self,
-        name: str,
-        score: float,
-        source: str = "feedback",
-        policy: str | None = None,
-        experience: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        return self._csa().decide(name, score, source, policy, experience)
-
-    def csa_observe(
-        self, name: str, seq: int, passed: bool, source: str = "feedback"
-    ) -> dict[str, Any]:
-        return self._csa().observe(name, seq, passed, source)
-
-    def csa_switch_versions(
-        self,
-        name: str,
-        policy: str | None = None,
-        scorer: str | None = None,
-        trained_through: int | None = None,
-    ) -> int:
-        return self._csa().switch_versions(name, policy, scorer, trained_through)
-
-    def csa_publish(self, policy: str, trained_through: int, source: str) -> dict[str, int]:
-        return self._csa().publish(policy, trained_through, source)
-
-    def csa_versions(self, name: str) -> dict[str, str | None]:
-        return self._csa().versions(name)
-
-    def csa_closed_round(self, name: str, first: int, end: int) -> dict[str, Any] | None:
-        return self._csa().closed_round(name, first, end)
-
-    def csa_status(self, name: str | None = None) -> dict[str, Any]:
-        host = self._csa()
-        names = host.stream_names() if name is None else [name]
-        return {n: host.status(n) for n in names}
-
-    def csa_state(self, name: str) -> dict[str, Any]:
-        return self._csa().state(name)

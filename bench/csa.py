@@ -337,14 +337,14 @@ def http_latency(backend: str, repeats: int, warmup: int) -> dict:
                         if variant == "gated":
                             released += r.json()["csa"]["released"]
                             gate_s.append(server_timing(r.headers["server-timing"])["gate"])
-        status = ray.get(controller.csa_status.remote("default"))["default"]
+        status = ray.get(controller.status.remote("default"))["default"]
         # The gate's own cost as a replica sees it: one actor call that journals the decision.
         probe = prepared.specs["default"].to_dict()
-        ray.get(controller.csa_open.remote("probe", probe))
+        ray.get(controller.open.remote("probe", probe))
         calls = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            ray.get(controller.csa_decide.remote("probe", 0.5))
+            ray.get(controller.decide.remote("probe", 0.5))
             calls.append(time.perf_counter() - t0)
         gated, ungated = statistics.median(times["gated"]), statistics.median(times["ungated"])
         return {
@@ -424,7 +424,7 @@ def main() -> None:
             "|---|---|---|",
             f"| ungated | {http['ungated_median_ms']:.1f} | {http['ungated_p90_ms']:.1f} |",
             f"| CSA gate | {http['gated_median_ms']:.1f} | {http['gated_p90_ms']:.1f} |",
-            f"| decide call alone (driver -> ControllerActor, journal fdatasync) "
+            f"| decide call alone (driver -> StreamsActor, journal fdatasync) "
             f"| {http['decide_call_median_ms']:.1f} | {http['decide_call_p90_ms']:.1f} |",
             f"| gate inside the gated replica (its Server-Timing `gate`) "
             f"| {http['gate_in_replica_median_ms']:.1f} | |",

@@ -179,7 +179,7 @@ def wait_closed(controller: Any, end: int) -> None:
     import ray
 
     deadline = time.monotonic() + 600
-    while ray.get(controller.csa_closed_round.remote("traffic", 0, end)) is None:
+    while ray.get(controller.closed_round.remote("traffic", 0, end)) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"labels below seq {end} were not applied in 600 s")
         time.sleep(0.2)

@@ -228,6 +228,9 @@ def run_seed(runs: dict[str, tuple[Config, RunDir]], seed: int, steps: int) -> d
     from workflows.train import Trainer, prepare
 
     names = list(runs)
+    # the answer marker the probe looks for: the DUET variants' (every variant runs one task)
+    duets = [cfg.algorithm.duet.domain for cfg, _ in runs.values() if cfg.algorithm.name == "duet"]
+    domain = duets[0] if duets else "math"
     trainers: dict[str, Trainer] = {}
     done: dict[str, int] = {}
     try:
@@ -262,7 +265,7 @@ def run_seed(runs: dict[str, tuple[Config, RunDir]], seed: int, steps: int) -> d
             out[name] = {
                 "steps": committed,
                 "eval": trainer.evaluate(steps - 1),
-                "probe": abort_probe(trainer, committed[-1], steps - 1),
+                "probe": abort_probe(trainer, committed[-1], steps - 1, domain),
             }
     finally:
         for trainer in trainers.values():
@@ -270,7 +273,7 @@ def run_seed(runs: dict[str, tuple[Config, RunDir]], seed: int, steps: int) -> d
     return out
 
 
-def abort_probe(trainer: Any, last: dict[str, Any], step: int) -> dict[str, float]:
+def abort_probe(trainer: Any, last: dict[str, Any], step: int, domain: str) -> dict[str, float]:
     """What the trained policy's rollouts look like to DUET's stop rule, on held-out prompts.
 
     PROBE_PROMPTS held-out prompts x N_REF rollouts at the training sampler: the share that end
@@ -296,7 +299,6 @@ def abort_probe(trainer: Any, last: dict[str, Any], step: int) -> dict[str, floa
     )
     trainer.services.verify(rollouts)
     correct = rollouts.rewards >= 1.0
-    domain = cfg.algorithm.duet.domain
     probe = {
         "rollouts": len(rollouts),
         "accuracy": float(correct.mean()),

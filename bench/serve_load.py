@@ -106,7 +106,7 @@ def start(backend: str) -> dict[str, Any]:
 def stream_state(server: dict[str, Any], stream: str) -> dict[str, Any]:
     import ray
 
-    return ray.get(server["controller"].csa_state.remote(stream))
+    return ray.get(server["controller"].state.remote(stream))
 
 
 def chat(server: dict[str, Any], stream: str, seed: int) -> dict[str, Any]:

@@ -31,10 +31,11 @@ def test_release_free_heap_runs_on_linux():
     assert release_free_heap() is True
 
 
-def test_the_controller_process_imports_neither_torch_nor_scikit_learn():
-    """The ControllerActor plans steps and hosts CSA streams from numpy alone: importing torch
-    and scikit-learn there took its import from 33 to 356 MB."""
-    code = "import sys, actors.controller; print(sorted({'torch', 'sklearn'} & set(sys.modules)))"
+@pytest.mark.parametrize("actor", ["actors.controller", "actors.streams"])
+def test_the_controller_processes_import_neither_torch_nor_scikit_learn(actor):
+    """The ControllerActor plans steps and the StreamsActor hosts CSA streams from numpy alone:
+    importing torch and scikit-learn there took its import from 33 to 356 MB."""
+    code = f"import sys, {actor}; print(sorted({{'torch', 'sklearn'}} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

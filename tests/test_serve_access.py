@@ -31,7 +31,8 @@ from rlvr.serving.api import (
 from rlvr.serving.config import load_serve_config
 from rlvr.serving.edge import EdgeGuard, EdgePolicy, proxy_middlewares
 from rlvr.tasks.prompts import DEFAULT_INSTRUCTION
-from workflows.serve import _respond, api, resolve_access
+from workflows.serve import resolve_access
+from workflows.serve_replica import _respond, api
 
 CLIENT = "client-key-0123456789"
 OPERATOR = "operator-key-0123456789"

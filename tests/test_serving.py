@@ -279,7 +279,7 @@ def test_serve_config_names_bad_keys(tmp_path):
 def test_a_server_defect_is_still_a_json_error():
     import asyncio
 
-    from workflows.serve import _respond
+    from workflows.serve_replica import _respond
 
     async def defect() -> dict:
         raise KeyError("a bug")

@@ -370,7 +370,8 @@ def cmd_dro_offline(args: argparse.Namespace) -> int:
     """`rlvr filter` / `rlvr rubrics`: DRO's offline passes, in this process."""
     from workflows.dro_offline import run_filter, run_rubrics
 
-    cfg = load_config(args.config, args.set)
+    # DRO's passes read algorithm.dro, whatever method the preset trains with
+    cfg = load_config(args.config, ["algorithm.name=dro", *args.set])
     run = run_filter if args.command == "filter" else run_rubrics
     print(json.dumps(run(cfg, Path(args.out) if args.out else None), indent=2))
     return 0

@@ -6,7 +6,7 @@ them is applied (closed: labelled, or expired as a failure), a PolicyActor (Deep
 `epochs` passes of SFT over the round's verifier-correct pairs (`live.algorithm: sft`, the paper's
 Expert Iteration) or of GRPO over its shadow-verified prompts (`grpo`: fresh samples of the current
 version, rewarded against each prompt's reference), the adapter is saved under a content-named
-version, and the ControllerActor publishes it at the next seq of every stream,
+version, and the StreamsActor publishes it at the next seq of every stream,
 declaring the last training seq (rule R2: it serves only later seqs). Replicas switch to it
 between generations (`workflows.serve`).
 
@@ -60,12 +60,12 @@ class LiveUpdater:
     """Consumes the live stream's closed EI rounds and publishes one LoRA version per round that
     has verifier-correct pairs; `poll()` does all the work that is ready."""
 
-    def __init__(self, cfg: ServeConfig, model_dir: str | Path, controller: Any):
+    def __init__(self, cfg: ServeConfig, model_dir: str | Path, streams: Any):
         self.live = cfg.live
         self.model_dir, self.dtype = Path(model_dir), cfg.model.dtype
         self._engine: Any = None
         self.stream = cfg.live_stream()
-        self.controller = controller
+        self.streams = streams
         self.dir = cfg.live_dir().resolve()
         (self.dir / "versions").mkdir(parents=True, exist_ok=True)
         (self.dir / "state").mkdir(exist_ok=True)
@@ -104,7 +104,7 @@ class LiveUpdater:
         while True:
             index = self.state.next_round
             first, end = round_seqs(index, self.live.round_size)
-            closed = ray.get(self.controller.csa_closed_round.remote(self.stream, first, end))
+            closed = ray.get(self.streams.closed_round.remote(self.stream, first, end))
             if closed is None:
                 return done
             done.append(self._consume(index, closed))
@@ -248,7 +248,5 @@ class LiveUpdater:
     def _publish(self, record: dict[str, Any]) -> dict[str, int]:
         """Deploy a saved version on every stream (idempotent); each stream's boundary seq."""
         return ray.get(
-            self.controller.csa_publish.remote(
-                record["policy"], record["trained_through"], self.stream
-            )
+            self.streams.publish.remote(record["policy"], record["trained_through"], self.stream)
         )

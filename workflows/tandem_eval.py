@@ -401,10 +401,12 @@ def run_tandem_eval(
         senior_dir = resolve_checkpoint(path, base_dir, cfg)
         if junior is not None:
             junior_dir = resolve_model_path(junior, seed=cfg.model.seed)
-        else:
+        elif cfg.algorithm.name == "tandem":
             from rlvr.methods.tandem.shaping import junior_dir as run_junior
 
             junior_dir = run_junior(cfg, base_dir)
+        else:
+            junior_dir = base_dir  # the run's starting model
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(f"invalid evaluation input: {err}") from None
     g = cfg.generation

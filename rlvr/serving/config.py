@@ -282,7 +282,7 @@ class ServeConfig(Section):
         return self
 
     def state_dir(self) -> Path:
-        """Where the ControllerActor keeps the durable streams."""
+        """Where the StreamsActor keeps the durable streams."""
         return Path(self.csa.state_dir or Path("runs") / self.name / "csa")
 
     def live_dir(self) -> Path:

@@ -1,4 +1,4 @@
-"""Durable named CSA streams (arXiv:2605.20270, Algorithms 1-2), hosted by the ControllerActor.
+"""Durable named CSA streams (arXiv:2605.20270, Algorithms 1-2), hosted by the StreamsActor.
 
 Pure Python (no Ray), so restarts and corruption are unit-testable. Each stream NAME keeps four
 files under the root. `NAME.state.json` is the whole stream, rewritten atomically (write, fsync,

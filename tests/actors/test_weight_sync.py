@@ -20,6 +20,7 @@ from rlvr.config import load_config
 from rlvr.models.tiny import build_tiny_model
 from rlvr.training.batch import build_batch
 from rlvr.training.rendezvous import LOOPBACK
+from rlvr.training.settings import LoraSettings
 from workflows.policy_group import PolicyGroup, rank_environments
 from workflows.weight_sync import CollectiveSync, ColocatedSync, ObjectStoreSync, make_weight_sync
 from workflows.workers import ActorFailure, Worker
@@ -157,7 +158,7 @@ def test_zero3_lora_ranks_all_join_the_broadcast_or_hand_over_to_their_engine(mo
     """Two ZeRO-3 LoRA ranks: the broadcast from rank 0, then each rank handing its own engine
     the buckets (colocated), leave the engines holding the policy's weights; the hand-over
     loads exactly what the object store loads."""
-    lora = {"enabled": True, "r": 4, "alpha": 8}
+    lora = LoraSettings(r=4, alpha=8)
     group, handles = _policy(model_dir, 2, zero_stage=3, lora=lora, lr=2e-2)
     collective = CollectiveSync(group, engines, torch.float32, BUCKET_BYTES, TIMEOUT_S)
     colocated_cfg = load_config(

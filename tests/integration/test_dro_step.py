@@ -107,8 +107,12 @@ def test_gates_loss_and_metrics(dro_step_run):
         assert "train_entropy_threshold" in metrics and metrics["train_grad_norm"] > 0.0
     else:
         assert metrics["train_skipped"] == 1
-    kw = policy_kwargs(cfg, out)
-    assert (kw["loss"], kw["kl_coef"], kw["rho_ent"]) == ("dro", 0.001, 0.4)
+    settings = policy_kwargs(cfg, out)["settings"]
+    assert (settings.loss, settings.kl_coef, settings.loss_options) == (
+        "dro",
+        0.001,
+        {"rho_ent": 0.4},
+    )
 
 
 def test_evaluate_reports_the_validation_reward_that_selects(dro_step_run):

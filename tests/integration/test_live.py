@@ -114,7 +114,7 @@ def serve_round(server, problems, index: int) -> list[dict]:
         out.append(csa)
     deadline = time.monotonic() + 60
     end = (index + 1) * ROUND
-    while ray.get(server["controller"].csa_closed_round.remote(STREAM, 0, end)) is None:
+    while ray.get(server["controller"].closed_round.remote(STREAM, 0, end)) is None:
         assert time.monotonic() < deadline, "the round's shadow labels were not applied"
         time.sleep(0.1)
     return out
@@ -245,7 +245,7 @@ def test_the_grpo_option_samples_verifies_and_publishes(live_server, problems):
 
     server, cfg = live_server, live_server["cfg"]
     controller = server["controller"]
-    decided = ray.get(controller.csa_status.remote(STREAM))[STREAM]["next_seq"]
+    decided = ray.get(controller.status.remote(STREAM))[STREAM]["next_seq"]
     for index in range(decided // ROUND, 4):
         serve_round(server, problems, index)
     grpo = cfg.live.model_copy(
@@ -272,4 +272,4 @@ def test_the_grpo_option_samples_verifies_and_publishes(live_server, problems):
     assert published and all(r["policy"].startswith(f"live-{r['round']}@") for r in published)
     for r in published:
         assert r["trained_through"] == (r["round"] + 1) * ROUND - 1 < r["boundaries"][STREAM]
-    assert ray.get(controller.csa_versions.remote(STREAM))["policy"] == published[-1]["policy"]
+    assert ray.get(controller.versions.remote(STREAM))["policy"] == published[-1]["policy"]

@@ -1,5 +1,5 @@
 """`rlvr calibrate` and `rlvr serve` end to end: the OpenAI client against the running Ray Serve app
-on the tiny arithmetic model, bad input, a loopback load test, and a ControllerActor restart.
+on the tiny arithmetic model, bad input, a loopback load test, and a StreamsActor restart.
 
 Each test owns one stream, so every decision is checked against a local CSAController replay.
 The served calibration maps raw -> 0.05 + 0.25 raw with grid (0.05, 0.1225, 0.3) at alpha 0.5, so
@@ -124,7 +124,7 @@ def test_adapter_is_merged_once_into_the_served_weights(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, sft_model, fixed_calibration, tmp_path_factory, pick_free_ports):
-    """The app on a free loopback port: 2 replicas sharing 5 streams through one ControllerActor."""
+    """The app on a free loopback port: 2 replicas sharing 5 streams through one StreamsActor."""
     from ray import serve
 
     from rlvr.serving.config import load_serve_config
@@ -177,7 +177,7 @@ def replay(server, stream: str) -> CSAController:
 def remote_state(server, stream: str) -> dict:
     import ray
 
-    return ray.get(server["controller"].csa_state.remote(stream))
+    return ray.get(server["controller"].state.remote(stream))
 
 
 def feedback(url: str, seq: int, passed: bool, stream: str) -> httpx.Response:
@@ -603,7 +603,7 @@ def test_controller_restart_restores_the_stream_exactly(server):
         deadline = time.monotonic() + 60
         new_pid = pid
         while new_pid == pid:
-            assert time.monotonic() < deadline, "the ControllerActor did not come back"
+            assert time.monotonic() < deadline, "the StreamsActor did not come back"
             try:
                 new_pid = ray.get(controller.__ray_call__.remote(getpid), timeout=10)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
