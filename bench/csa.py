@@ -38,7 +38,7 @@ from rlvr.algorithms.csa.simulation import (
     summarise,
     synthetic_cell,
 )
-from workflows.cli import ray_env
+from workflows.cluster import ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent

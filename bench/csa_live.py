@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import yaml
 
-from workflows.cli import ray_env
+from workflows.cluster import ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent

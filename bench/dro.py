@@ -35,7 +35,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from workflows.cli import ray_env
+from workflows.cluster import ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for all")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "dro"))
     args = ap.parse_args()
-    from workflows.cli import announce_engine_log, init_ray, quiet_driver
+    from workflows.cluster import announce_engine_log, init_ray, quiet_driver
 
     quiet_driver()
     from rlvr.config import load_config

@@ -53,7 +53,7 @@ import yaml
 from rlvr.config import Config, load_config
 from rlvr.methods.duet.config import duet_stop
 from rlvr.run.rundir import RunDir
-from workflows.cli import ray_env
+from workflows.cluster import ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent
@@ -481,7 +481,7 @@ def train_seeds(
     """`run_seed` for each seed on one Ray cluster, once every run directory is checked."""
     import ray
 
-    from workflows.cli import announce_engine_log, init_ray, quiet_driver
+    from workflows.cluster import announce_engine_log, init_ray, quiet_driver
 
     names = args.variants or preset.variants
     n_train = args.n_train or preset.n_train

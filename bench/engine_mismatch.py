@@ -24,7 +24,7 @@ from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest
 from rlvr.tasks.prompts import render_prompt
 from rlvr.training.engine_mismatch import mismatch, results_batch, trainer_logprobs
-from workflows.cli import ray_env
+from workflows.cluster import ray_env
 from workflows.train import prepare
 
 COLUMNS = (

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from workflows.cli import ray_env
+from workflows.cluster import ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "laconic"))
     args = ap.parse_args()
-    from workflows.cli import announce_engine_log, init_ray, quiet_driver
+    from workflows.cluster import announce_engine_log, init_ray, quiet_driver
 
     quiet_driver()
     from rlvr.config import load_config

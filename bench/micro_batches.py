@@ -99,7 +99,7 @@ def main() -> None:
     from rlvr.training.batch import build_batch
     from rlvr.training.policy_trainer import PolicyTrainer
     from rlvr.training.shared_prefix import packed_length, prompt_groups
-    from workflows.cli import ray_env
+    from workflows.cluster import ray_env
     from workflows.components import trainer_settings
     from workflows.train import prepare
 

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from rlvr.serving.fuzz import CATEGORIES, Credentials, fuzz_cases, tally
-from workflows.cli import ray_env
+from workflows.cluster import ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent

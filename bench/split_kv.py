@@ -32,7 +32,7 @@ def measure(config: str, overrides: list[str], prompts: int, n: int) -> dict:
     from rlvr.generation import make_backend
     from rlvr.generation.base import GenerationRequest, SamplingParams
     from rlvr.tasks.prompts import render_prompt
-    from workflows.cli import ray_env
+    from workflows.cluster import ray_env
     from workflows.train import prepare
 
     ray_env()

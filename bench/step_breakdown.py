@@ -26,7 +26,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from workflows.cli import announce_engine_log, quiet_driver, ray_env
+from workflows.cluster import announce_engine_log, quiet_driver, ray_env
 
 ray_env()
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def run(
 
     from rlvr.config import load_config
     from rlvr.run.rundir import RunDir
-    from workflows.cli import init_ray
+    from workflows.cluster import init_ray
     from workflows.components import start_components
     from workflows.train import Trainer, prepare
 

@@ -192,7 +192,7 @@ def train_compare(args: argparse.Namespace) -> None:
 
     import ray
 
-    from workflows.cli import announce_engine_log, init_ray, quiet_driver, ray_env
+    from workflows.cluster import announce_engine_log, init_ray, quiet_driver, ray_env
 
     ray_env()
     quiet_driver()

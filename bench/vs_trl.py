@@ -210,7 +210,7 @@ def run_project(config_path: Path, out: Path) -> None:
 
     from rlvr.config import load_config
     from rlvr.run.rundir import RunDir
-    from workflows.cli import init_ray, quiet_driver, ray_env
+    from workflows.cluster import init_ray, quiet_driver, ray_env
     from workflows.components import start_components
     from workflows.train import Trainer, prepare
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from workflows.cli import quiet_driver, ray_env
+from workflows.cluster import quiet_driver, ray_env
 
 ray_env()
 quiet_driver()

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from rlvr.config import load_config
-from workflows import cli, reaper, stopping
+from workflows import cli, cluster, reaper, stopping
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["resources.policy_cpus=0.1", "resources.generator_cpus=0.1", "resources.num_verifiers=1"]
@@ -57,8 +57,8 @@ def test_demo_and_train_flags(capsys, tmp_path):
         assert parser.parse_args([command, "--engine-logs"]).engine_logs
     assert parser.parse_args(["demo", "--overwrite"]).overwrite
     assert not parser.parse_args(["demo"]).overwrite
-    assert cli.announce_engine_log(tmp_path) == tmp_path / cli.ENGINE_LOG
-    assert str(tmp_path / cli.ENGINE_LOG) in capsys.readouterr().err
+    assert cluster.announce_engine_log(tmp_path) == tmp_path / cluster.ENGINE_LOG
+    assert str(tmp_path / cluster.ENGINE_LOG) in capsys.readouterr().err
 
 
 def test_init_ray_sends_worker_output_to_the_engine_log(tmp_path, monkeypatch):
@@ -71,31 +71,31 @@ def test_init_ray_sends_worker_output_to_the_engine_log(tmp_path, monkeypatch):
         return SimpleNamespace(address_info={"session_dir": "/tmp/ray/session_x"})
 
     monkeypatch.setattr(ray, "init", init)
-    monkeypatch.setattr(cli, "mark_environment", lambda: calls.append("mark"))
-    monkeypatch.setattr(cli, "start_reaper", lambda session: calls.append(("reaper", session)))
+    monkeypatch.setattr(cluster, "mark_environment", lambda: calls.append("mark"))
+    monkeypatch.setattr(cluster, "start_reaper", lambda session: calls.append(("reaper", session)))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = load_config(None, SMALL)
-    cli.init_ray(cfg, tmp_path / "run" / cli.ENGINE_LOG)
-    cli.init_ray(cfg)
+    cluster.init_ray(cfg, tmp_path / "run" / cluster.ENGINE_LOG)
+    cluster.init_ray(cfg)
     # Each local cluster starts with the driver's mark, and its reaper knows its session.
     reaper_of = ("reaper", "/tmp/ray/session_x")
     assert calls[0] == calls[3] == "mark" and calls[2] == calls[5] == reaper_of
     quiet, loud = calls[1], calls[4]
     assert quiet["log_to_driver"] is False and quiet["logging_level"] == logging.WARNING
     env = quiet["runtime_env"]
-    assert env["env_vars"] == {cli.ENGINE_LOG_ENV: str(tmp_path / "run" / cli.ENGINE_LOG)}
+    assert env["env_vars"] == {cluster.ENGINE_LOG_ENV: str(tmp_path / "run" / cluster.ENGINE_LOG)}
     module, name = env["worker_process_setup_hook"].rsplit(".", 1)
-    assert getattr(sys.modules[module], name) is cli.redirect_worker_output
+    assert getattr(sys.modules[module], name) is cluster.redirect_worker_output
     assert loud["log_to_driver"] is True and "runtime_env" not in loud
 
 
 def test_redirect_worker_output_takes_the_file_descriptors(tmp_path):
     """Python prints, logging and child processes all land in the file, none on the console."""
-    log = tmp_path / "run" / cli.ENGINE_LOG
+    log = tmp_path / "run" / cluster.ENGINE_LOG
     script = textwrap.dedent(
         """
         import logging, os, subprocess, sys
-        from workflows.cli import redirect_worker_output
+        from workflows.cluster import redirect_worker_output
         redirect_worker_output()
         print("python stdout")
         logging.getLogger("vllm").warning("python logging")
@@ -104,7 +104,7 @@ def test_redirect_worker_output_takes_the_file_descriptors(tmp_path):
     )
     done = subprocess.run(
         [sys.executable, "-c", script],
-        env={**os.environ, cli.ENGINE_LOG_ENV: str(log)},
+        env={**os.environ, cluster.ENGINE_LOG_ENV: str(log)},
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -120,7 +120,7 @@ def test_quiet_driver_silences_library_start_up_notes():
     """DeepSpeed's accelerator note and transformers' progress bars stay off the console."""
     script = textwrap.dedent(
         """
-        from workflows.cli import quiet_driver
+        from workflows.cluster import quiet_driver
         quiet_driver()
         from deepspeed.accelerator import get_accelerator
         from transformers.utils import logging
@@ -139,14 +139,14 @@ def test_actor_output_reaches_the_engine_log_not_the_console(tmp_path):
     """A real cluster started as `rlvr train` starts it: an actor's prints go to the run's file,
     also from an actor with environment variables of its own (a model actor on jemalloc: Ray
     merges them with the run's)."""
-    log = tmp_path / "run" / cli.ENGINE_LOG
+    log = tmp_path / "run" / cluster.ENGINE_LOG
     script = textwrap.dedent(
         f"""
         import sys
         from pathlib import Path
         import ray
         from rlvr.config import ResourcesConfig, load_config
-        from workflows.cli import init_ray
+        from workflows.cluster import init_ray
         from workflows.components import allocator_env
 
         class Talker:
@@ -385,7 +385,8 @@ def test_sigterm_stops_a_driver_waiting_on_an_actor_at_once(tmp_path):
         from pathlib import Path
         import psutil, ray
         from rlvr.config import load_config
-        from workflows.cli import init_ray, report_stop
+        from workflows.cli import report_stop
+        from workflows.cluster import init_ray
         from workflows.stopping import RunStopped, stop_if_asked, stopping_on_signals
 
         class Step:

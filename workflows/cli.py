@@ -14,113 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 from rlvr.config import Config, ConfigError, load_config
-from rlvr.run.placement import check_cluster
-from rlvr.serving.config import ServeConfig
-from workflows.reaper import mark_environment, start_reaper
+from workflows.cluster import (
+    ENGINE_LOGS_HELP,
+    announce_engine_log,
+    init_ray,
+    quiet_driver,
+    ray_env,
+)
 from workflows.stopping import RunStopped, stopping_on_signals
 
 DEMO_CONFIG = "smollm2-arith"
 """The shipped preset `rlvr demo` trains (`rlvr.config.presets`)."""
-ENGINE_LOG = "engine.log"
-"""File in the run directory that receives every actor's stdout and stderr."""
-ENGINE_LOG_ENV = "RLVR_ENGINE_LOG"
-ENGINE_LOGS_HELP = (
-    f"show the engines' output (vLLM, DeepSpeed, Ray, transformers) on this console instead of "
-    f"in <run>/{ENGINE_LOG}"
-)
-
-
-def ray_env() -> None:
-    """Defaults for a local, offline cluster on 127.0.0.1 (kept when the caller set its own)."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def redirect_worker_output() -> None:
-    """Ray worker setup hook: append this process's stdout and stderr (file descriptors 1 and 2,
-    so C++ and subprocess output too) to the file named by RLVR_ENGINE_LOG."""
-    path = Path(os.environ[ENGINE_LOG_ENV])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def quiet_driver() -> None:
-    """Keep library chatter of this process off the console: it loads models with transformers
-    (progress bars) and imports DeepSpeed only for the actor classes (an accelerator note on
-    stdout). Call before either is imported; `--engine-logs` skips it."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    logging.getLogger("DeepSpeed").disabled = True
-
-
-def worker_output_options(engine_log: Path | None) -> dict[str, Any]:
-    """`ray.init` options that send every worker's output to `engine_log` and keep Ray's own
-    notes off the driver's console; with None, Ray's default: worker lines on the console."""
-    if engine_log is None:
-        return {"log_to_driver": True}
-    return {
-        "log_to_driver": False,
-        "logging_level": logging.WARNING,
-        "runtime_env": {
-            "env_vars": {ENGINE_LOG_ENV: str(engine_log.resolve())},
-            "worker_process_setup_hook": "workflows.cli.redirect_worker_output",
-        },
-    }
-
-
-def init_ray(cfg: Config | ServeConfig, engine_log: Path | None = None) -> None:
-    """Join RAY_ADDRESS when set; otherwise start an in-process cluster on 127.0.0.1, failing
-    with a ConfigError, before any actor starts, where the config's actors cannot fit its nodes.
-
-    `engine_log`: the file that receives the actors' output (None: the console, as Ray does).
-    """
-    fits = cfg.check_cluster if isinstance(cfg, ServeConfig) else partial(check_cluster, cfg)
-    import ray
-
-    from actors.controller import NAMESPACE
-
-    output = worker_output_options(engine_log)
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(namespace=NAMESPACE, **output)
-        try:
-            fits([n["Resources"] for n in ray.nodes() if n["Alive"]])
-        except ConfigError:
-            ray.shutdown()
-            raise
-    else:
-        cpus = os.cpu_count() or 1
-        import torch
-
-        fits([{"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}])
-        mark_environment()  # before the cluster starts: its processes inherit the mark
-        context = ray.init(
-            address="local",  # a cluster of its own, never one another process started
-            num_cpus=cpus,
-            namespace=NAMESPACE,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            **output,
-        )
-        start_reaper(context.address_info["session_dir"])
-
-
-def announce_engine_log(run_path: Path) -> Path:
-    """The run's engine log, named on the console so that the user knows where to look."""
-    path = run_path / ENGINE_LOG
-    print(f"rlvr: engine logs (vLLM, DeepSpeed, Ray workers) go to {path}", file=sys.stderr)
-    return path
 
 
 def cmd_train(args: argparse.Namespace) -> int:
