@@ -35,6 +35,8 @@ import shutil
 import statistics
 from pathlib import Path
 
+from harness import start_cluster
+
 from workflows.cluster import ray_env
 
 ray_env()
@@ -168,7 +170,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for all")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "dro"))
     args = ap.parse_args()
-    from workflows.cluster import announce_engine_log, init_ray, quiet_driver
+    from workflows.cluster import quiet_driver
 
     quiet_driver()
     from rlvr.config import load_config
@@ -190,7 +192,7 @@ def main() -> None:
     filtered = run_filter(load_config(args.config, [*BASE, *common, first_seed]), out / "filter")
     print(json.dumps({k: v for k, v in filtered.items() if k != "train_with"}, indent=2))
     data = filtered["train_with"]
-    init_ray(base, announce_engine_log(out))
+    start_cluster(base, out)
     results: dict[str, list[dict]] = {name: [] for name in args.variants}
     for seed in args.seeds:
         for name in args.variants:

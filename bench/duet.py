@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from harness import start_cluster, write_results
 
 from rlvr.config import Config, load_config
 from rlvr.methods.duet.config import duet_stop
@@ -481,7 +482,7 @@ def train_seeds(
     """`run_seed` for each seed on one Ray cluster, once every run directory is checked."""
     import ray
 
-    from workflows.cluster import announce_engine_log, init_ray, quiet_driver
+    from workflows.cluster import quiet_driver
 
     names = args.variants or preset.variants
     n_train = args.n_train or preset.n_train
@@ -491,7 +492,7 @@ def train_seeds(
         for cfg, run_dir in runs.values():
             check_resumable(cfg, run_dir, args.resume)
     quiet_driver()
-    init_ray(load_config(preset.config, [*COMMON, *args.set]), announce_engine_log(Path(args.out)))
+    start_cluster(load_config(preset.config, [*COMMON, *args.set]), Path(args.out))
     try:
         return {s: run_seed(plans[s], s, steps) for s in seeds}
     finally:
@@ -556,10 +557,8 @@ def main() -> None:
     table = format_table(rows, seeds, steps, preset.label)
     print(table)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"duet_{args.preset}"
-    (out / f"{stem}.md").write_text(table + "\n")
-    (out / f"{stem}.json").write_text(json.dumps({"rows": rows, "runs": runs}, indent=1))
+    write_results(out, stem, table, {"rows": rows, "runs": runs})
     plot(runs, rows, out / f"{stem}.png")
 
 

@@ -14,9 +14,9 @@ and writes them as JSON beside the table.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from harness import markdown_table, write_results
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlvr.config import load_config
@@ -84,16 +84,10 @@ def main() -> None:
         f"top-p = {g.top_p:g}, {int(batch.response_mask.sum())} tokens, "
         f"cap C = {cfg.training.engine_is_cap:g}"
     )
-    lines = [title, "", "| log-probs | " + " | ".join(COLUMNS) + " |"]
-    lines.append("|---" * (len(COLUMNS) + 1) + "|")
-    for label, stats in rows.items():
-        lines.append(f"| {label} | " + " | ".join(f"{stats[c]:.6g}" for c in COLUMNS) + " |")
-    table = "\n".join(lines)
+    cells = [[label, *(f"{stats[c]:.6g}" for c in COLUMNS)] for label, stats in rows.items()]
+    table = f"{title}\n\n" + markdown_table(["log-probs", *COLUMNS], cells)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = Path(args.config).stem
-    (args.out / f"{stem}.md").write_text(table + "\n")
-    (args.out / f"{stem}.json").write_text(json.dumps({"title": title, "rows": rows}, indent=2))
+    write_results(args.out, Path(args.config).stem, table, {"title": title, "rows": rows})
 
 
 if __name__ == "__main__":

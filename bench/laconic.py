@@ -17,6 +17,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from harness import start_cluster, write_results
+
 from workflows.cluster import ray_env
 
 ray_env()
@@ -116,15 +118,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "laconic"))
     args = ap.parse_args()
-    from workflows.cluster import announce_engine_log, init_ray, quiet_driver
+    from workflows.cluster import quiet_driver
 
     quiet_driver()
     from rlvr.config import load_config
 
     common = [f"run.steps={args.steps}", f"run.seed={args.seed}"]
     out = Path(args.out)
-    init_ray(load_config(PRESET, BASE), announce_engine_log(out))
-    out.mkdir(parents=True, exist_ok=True)
+    start_cluster(load_config(PRESET, BASE), out)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         results["grpo"] = run_one("grpo", [*common, *OFF], Path(tmp))
@@ -134,8 +135,7 @@ def main() -> None:
     rows = [summarize(name, s, budget) for name, s in results.items()]
     table = format_table(rows, budget)
     print(table)
-    (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps({"budget": budget, "rows": rows}, indent=2))
+    write_results(out, "table", table, {"budget": budget, "rows": rows})
     plot(results, budget, out / "length_lambda.png")
     print(f"plot: {out / 'length_lambda.png'}")
 

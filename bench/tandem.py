@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from harness import start_cluster
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -192,7 +194,7 @@ def train_compare(args: argparse.Namespace) -> None:
 
     import ray
 
-    from workflows.cluster import announce_engine_log, init_ray, quiet_driver, ray_env
+    from workflows.cluster import quiet_driver, ray_env
 
     ray_env()
     quiet_driver()
@@ -201,7 +203,7 @@ def train_compare(args: argparse.Namespace) -> None:
     from workflows.train import prepare, train
 
     configs = {name: ROOT / "configs" / f for name, f in CONFIGS.items()}
-    init_ray(load_config(configs["grpo"], TRAIN_COMMON), announce_engine_log(Path(args.out)))
+    start_cluster(load_config(configs["grpo"], TRAIN_COMMON), Path(args.out))
     reports: dict[str, dict[int, dict]] = {name: {} for name in CONFIGS}
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-SPEC = importlib.util.spec_from_file_location(
-    "bench_duet", Path(__file__).resolve().parent.parent / "bench" / "duet.py"
-)
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))  # as when it runs as a script: its folder's harness on the path
+SPEC = importlib.util.spec_from_file_location("bench_duet", BENCH / "duet.py")
 duet_bench = importlib.util.module_from_spec(SPEC)
 sys.modules[SPEC.name] = duet_bench  # dataclasses look their module up there
 SPEC.loader.exec_module(duet_bench)
