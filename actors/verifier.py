@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -41,14 +41,15 @@ DEADLINE_SLACK_S = 30.0
 class VerifierActor:
     """Scores responses against their golds (and prompts and metadata, which plug-ins read) with
     the verifier `make_verifier(kind, num_workers, timeout_s, function, rewards,
-    unsafe_hook_sandbox)` in this actor's own worker processes."""
+    unsafe_hook_sandbox)` in this actor's own worker processes. A reward function given as an
+    object (not its name) arrives here by Ray's serialization, as any actor argument does."""
 
     def __init__(
         self,
         timeout_s: float,
         num_workers: int = 1,
         kind: str = "math",
-        function: str | None = None,
+        function: str | Callable[..., Any] | None = None,
         rewards: Sequence[Mapping[str, Any]] = (),
         unsafe_hook_sandbox: bool = False,
     ):
@@ -84,7 +85,7 @@ class VerifierPool:
         workers_per_actor: int = 1,
         cpus_per_actor: float = 0.0,
         kind: str = "math",
-        function: str | None = None,
+        function: str | Callable[..., Any] | None = None,
         rewards: Sequence[Mapping[str, Any]] = (),
         unsafe_hook_sandbox: bool = False,
     ):

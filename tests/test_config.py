@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.config import ConfigError, config_from_dict, load_config
+from rlvr.config import ConfigError, config_from_dict, load_config, override_config
 from rlvr.methods.base import build_method
 from rlvr.methods.laconic.config import laconic_dual
 from rlvr.models.checks import check_model_dir
@@ -494,3 +494,54 @@ def test_reward_plugins_and_weighted_rewards_validate():
 def test_bad_reward_settings_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=f"invalid config: {message}"):
         load_config(None, overrides)
+
+
+def _answer_is_gold(prompts, responses, golds, metadata):
+    return [float(r.strip() == g) for r, g in zip(responses, golds, strict=True)]
+
+
+def test_python_overrides_take_values_as_they_are_and_a_reward_function_itself():
+    cfg = load_config(
+        "tiny",
+        {
+            "run.steps": 3,
+            "run.name": "off",  # a string stays a string (as YAML it would be False)
+            "verifier.kind": "python",
+            "verifier.function": _answer_is_gold,
+        },
+    )
+    assert cfg.run.steps == 3 and cfg.run.name == "off"
+    assert cfg.verifier.function is _answer_is_gold
+    assert cfg.verifier.verifier_kwargs()["function"] is _answer_is_gold  # to the actors as is
+    # the saved config names it where it was defined
+    assert cfg.to_dict()["verifier"]["function"] == f"{__name__}:_answer_is_gold"
+    weighted = load_config(
+        None,
+        {"verifier.rewards": [{"kind": "math"}, {"kind": "python", "function": _answer_is_gold}]},
+    )
+    assert weighted.to_dict()["verifier"]["rewards"][1]["function"].endswith(":_answer_is_gold")
+
+
+def test_python_overrides_fail_as_the_command_line_s_do():
+    for overrides in ({"run.nope": 1}, ["run.nope=1"]):
+        with pytest.raises(ConfigError, match=r"^invalid config: run.nope: unknown key$"):
+            load_config("tiny", overrides)
+    with pytest.raises(ConfigError, match="run.steps: Input should be greater than 0"):
+        load_config("tiny", {"run.steps": 0})
+    with pytest.raises(ConfigError, match="is one string"):
+        load_config("tiny", "run.steps=3")
+    with pytest.raises(ConfigError, match="dotted key"):
+        load_config("tiny", {"run.": 3})
+    with pytest.raises(
+        ConfigError, match="verifier.function: 3 is neither .package.module:name. nor callable"
+    ):
+        load_config(None, {"verifier.kind": "python", "verifier.function": 3})
+
+
+def test_overrides_apply_to_a_config_object_as_a_new_one():
+    cfg = load_config("tiny")
+    laconic = override_config(cfg, {"algorithm.name": "laconic", "algorithm.laconic.budget": 30})
+    assert laconic.algorithm.laconic.budget == 30 and cfg.algorithm.name == "grpo"
+    assert laconic.run == cfg.run and laconic is not cfg
+    with pytest.raises(ConfigError, match="algorithm.laconic.budget"):
+        override_config(cfg, {"algorithm.laconic.budget": -1})

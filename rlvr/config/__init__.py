@@ -5,11 +5,13 @@ surface."""
 
 from rlvr.config.core import (
     ConfigError,
+    Overrides,
     Section,
     apply_overrides,
     format_validation_error,
     key_tree,
     load_yaml,
+    override_items,
     parse_override,
     presets,
     read_yaml_sections,
@@ -27,6 +29,7 @@ from rlvr.config.schema import (
     LoraConfig,
     MethodSpec,
     ModelConfig,
+    Plugin,
     ResourcesConfig,
     RewardConfig,
     RunConfig,
@@ -40,6 +43,7 @@ from rlvr.config.schema import (
     load_config,
     method_names,
     method_spec,
+    override_config,
     register_method_spec,
 )
 
@@ -55,6 +59,8 @@ __all__ = [
     "LoraConfig",
     "MethodSpec",
     "ModelConfig",
+    "Overrides",
+    "Plugin",
     "ResourcesConfig",
     "RewardConfig",
     "RunConfig",
@@ -73,6 +79,8 @@ __all__ = [
     "load_yaml",
     "method_names",
     "method_spec",
+    "override_config",
+    "override_items",
     "parse_override",
     "presets",
     "read_yaml_sections",

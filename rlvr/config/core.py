@@ -6,7 +6,7 @@ built on it."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,11 @@ class ConfigError(ValueError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+Overrides = Sequence[str] | Mapping[str, Any]
+"""Config overrides: `--set` strings (`"run.steps=4"`, the value read as YAML) or, from Python, a
+mapping of dotted keys to values taken as they are (`{"run.steps": 4, "verifier.function": fn}`)."""
 
 
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:
@@ -66,14 +71,32 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), load_yaml(raw) if raw else ""
 
 
+def override_items(overrides: Overrides) -> list[tuple[list[str], Any]]:
+    """Overrides as (key path, value) pairs, in order; ConfigError for a malformed one."""
+    if isinstance(overrides, str):
+        raise ConfigError(
+            f"overrides: {overrides!r} is one string; give a list of 'key.path=value' strings "
+            "or a mapping of dotted keys to values"
+        )
+    if not isinstance(overrides, Mapping):
+        return [parse_override(item) for item in overrides]
+    items = []
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not key or "" in key.split("."):
+            raise ConfigError(f"override key {key!r} must be a dotted key such as 'run.steps'")
+        items.append((key.split("."), value))
+    return items
+
+
 def apply_overrides(
     data: dict[str, Any],
-    overrides: list[str],
+    overrides: Overrides,
     known: dict[str, Any] | None = None,
     kind: str = "config",
     unknown_key: Callable[[str, list[str]], str] | None = None,
 ) -> dict[str, Any]:
-    """Apply `--set a.b=c` overrides to raw YAML data; errors read "invalid {kind}: KEY: why".
+    """Apply overrides (`--set a.b=c` strings or a mapping, `Overrides`) to raw YAML data; errors
+    read "invalid {kind}: KEY: why".
 
     With `known` (the schema's tree of keys, `key_tree`) a path outside it fails here naming the
     key (`unknown_key` words that error; its sections hold no list items); without, unknown keys
@@ -82,8 +105,7 @@ def apply_overrides(
     """
     check_keys = known is not None
     sections = dict if check_keys else dict | list
-    for item in overrides:
-        path, value = parse_override(item)
+    for path, value in override_items(overrides):
         node: Any = data
         schema = known
         for i, part in enumerate(path):

@@ -16,16 +16,26 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from rlvr.config.core import (
     ConfigError,
+    Overrides,
     Section,
     apply_overrides,
     format_validation_error,
     key_tree,
+    override_items,
     read_yaml_sections,
     vllm_on_cpu,
 )
@@ -36,6 +46,25 @@ from rlvr.tasks.prompts import PROMPT_SLOT
 from rlvr.training.settings import LoraSettings
 from rlvr.verifiers.python import check_function
 from rlvr.verifiers.weighted import reward_name
+from rlvr.verifiers.worker import plugin_name
+
+
+def _plugin(value: Any) -> str | Callable[..., Any]:
+    if isinstance(value, str) or callable(value):
+        return value
+    raise ValueError(f"{value!r:.80} is neither 'package.module:name' nor callable")
+
+
+Plugin = Annotated[
+    str | Callable[..., Any],
+    PlainValidator(_plugin),
+    PlainSerializer(plugin_name, when_used="json"),
+]
+"""A user plug-in (a reward function): `"package.module:name"`, imported where it runs, or, from
+Python, the object itself, which reaches the actors by Ray's serialization (cloudpickle: a function
+defined in a notebook travels by value). A saved config (a run's config.yaml) names an object by
+`plugin_name`, which a later process can import only when the object lives in a module. The
+agents' tools and environment classes (`env.tools`, `env.class`) are plug-ins of the same kind."""
 
 
 class LoraConfig(Section):
@@ -492,8 +521,10 @@ class RewardConfig(Section):
         description="The component's verifier: 'math', 'code' or 'python' (a plug-in)."
     )
     weight: float = Field(1.0, description="Its weight in the step's reward (a weighted sum).")
-    function: str | None = Field(
-        None, description="The plug-in's 'package.module:fn' (kind 'python' only)."
+    function: Plugin | None = Field(
+        None,
+        description="The plug-in's 'package.module:fn', or from Python the function itself "
+        "(kind 'python' only).",
     )
     name: str | None = Field(
         None,
@@ -514,10 +545,11 @@ class VerifierConfig(Section):
         "\\boxed{} answer; rlvr.verifiers.rewards:keyword_coverage, the share of the problem's "
         "metadata keywords it mentions).",
     )
-    function: str | None = Field(
+    function: Plugin | None = Field(
         None,
         description="The reward plug-in of kind 'python', 'package.module:fn' (importable where "
-        "the run starts and in its verifier actors).",
+        "the run starts and in its verifier actors), or from Python the function itself (it "
+        "reaches the actors by Ray's serialization).",
     )
     rewards: list[RewardConfig] = Field(
         default_factory=list,
@@ -583,13 +615,14 @@ class VerifierConfig(Section):
         }
 
 
-def _check_function(kind: str, function: str | None, key: str) -> None:
-    """A python reward needs an importable `function`; the other kinds take none."""
+def _check_function(kind: str, function: str | Callable[..., Any] | None, key: str) -> None:
+    """A python reward needs a function (importable by name, or a callable that pickles); the other
+    kinds take none."""
     if kind != "python":
         if function is not None:
             raise ValueError(f"{key}: only kind 'python' takes a function (this is {kind!r})")
         return
-    if not function:
+    if function is None or function == "":
         raise ValueError(f"{key}: kind 'python' needs a function, 'package.module:fn'")
     try:
         check_function(function)
@@ -1128,12 +1161,22 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         raise ConfigError(format_validation_error(err)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML preset (or the defaults), apply overrides, validate. The method is read first
-    (an override may choose it), so that the keys of its own section are known."""
-    data = read_yaml_sections(path)
-    overrides = overrides or []
-    chosen = [item for item in overrides if item.split("=", 1)[0] == "algorithm.name"]
+def load_config(path: str | Path | None = None, overrides: Overrides | None = None) -> Config:
+    """Load a YAML file or shipped preset (`"tiny"`; None: the defaults), apply `overrides`
+    (`--set` strings or a mapping of dotted keys to values, `Overrides`), validate; ConfigError
+    naming the key otherwise."""
+    return _configured(read_yaml_sections(path), overrides or [])
+
+
+def override_config(cfg: Config, overrides: Overrides) -> Config:
+    """A new config: `cfg` with `overrides` applied, validated as `load_config` validates."""
+    return _configured(cfg.model_dump(), overrides)
+
+
+def _configured(data: dict[str, Any], overrides: Overrides) -> Config:
+    """Raw sections with overrides applied, validated. The method is read first (an override may
+    choose it), so that the keys of its own section are known."""
+    chosen = {".".join(p): v for p, v in override_items(overrides) if p == ["algorithm", "name"]}
     apply_overrides(data, chosen)
     method = _method_named(data)
     try:

@@ -5,7 +5,7 @@ metadata)`, `wait_ready()` and `close()`, with a hard timeout per item (per call
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from rlvr.verifiers.code import CodeVerifier
@@ -21,13 +21,13 @@ def make_verifier(
     kind: str = "math",
     num_workers: int = 1,
     timeout: float = 5.0,
-    function: str | None = None,
+    function: str | Callable[..., Any] | None = None,
     rewards: Sequence[Mapping[str, Any]] = (),
     unsafe_hook_sandbox: bool = False,
 ) -> MathVerifier | CodeVerifier | PythonVerifier | WeightedVerifier:
     """A verifier of `kind` with `num_workers` parallel workers and a per-item `timeout`
-    (`function`: the plug-in of kind python); with `rewards` (dicts with kind, weight and
-    optionally function and name) their weighted sum, and `kind` is not used.
+    (`function`: the plug-in of kind python, its name or itself); with `rewards` (dicts with kind,
+    weight and optionally function and name) their weighted sum, and `kind` is not used.
     `unsafe_hook_sandbox` lets code run under the audit-hook sandbox where namespaces do not
     work (rlvr.verifiers.sandbox)."""
     if rewards:
@@ -54,7 +54,7 @@ def make_verifier(
             num_workers=num_workers, timeout=timeout, unsafe_hook=unsafe_hook_sandbox
         )
     if kind == "python":
-        if not function:
+        if function is None or function == "":
             raise ValueError("verifier kind 'python' needs a function ('package.module:fn')")
         return PythonVerifier(function, num_workers=num_workers, timeout=timeout)
     raise ValueError(f"unknown verifier kind {kind!r}; expected one of {KINDS}")

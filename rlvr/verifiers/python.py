@@ -1,4 +1,5 @@
-"""Reward plug-ins (`verifier.kind: python`): a user function `"package.module:fn"` scores responses.
+"""Reward plug-ins (`verifier.kind: python`): a user function scores responses, named as
+`"package.module:fn"` or, from Python, passed as the function itself.
 
 `fn(prompts, responses, golds, metadata)` gets a batch (lists of equal length; `metadata` holds one
 dict per item, the problem's) and returns one entry per item: a reward (a finite number; status
@@ -9,6 +10,10 @@ call as a whole. A call that raises, or returns the wrong number of entries, sco
 it (0.0, "error"); a call past the timeout scores them (0.0, "timeout") and its worker is killed
 and replaced; an entry that is not a finite number (or a pair of one and a str) scores that item
 (0.0, "error"). Each case logs a line naming the function; none stops the run.
+
+A function passed as an object reaches the workers pickled by cloudpickle (by value when it was
+defined in a notebook or a script, by reference when it lives in a module), on each worker's input
+as it starts.
 
 What a plug-in's author can rely on: its function runs in a worker process of its own (not the
 actor's), under the timeout above and an address-space limit (`memory_limit_mb`), and gets the
@@ -27,14 +32,23 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import pickle
 import sys
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import cloudpickle
+
 from rlvr.verifiers.base import ClosingVerifier
-from rlvr.verifiers.worker import WorkerLost, WorkerPool, import_object
+from rlvr.verifiers.worker import (
+    WorkerLost,
+    WorkerPool,
+    import_object,
+    plugin_name,
+    read_payload,
+)
 
 __all__ = ["PythonVerifier", "check_function", "check_rewards"]
 
@@ -44,8 +58,20 @@ ERROR: Scored = (0.0, "error")
 log = logging.getLogger(__name__)
 
 
-def check_function(spec: str) -> Callable[..., Any]:
-    """The callable `spec` ("package.module:fn") names; ValueError saying why it cannot be used."""
+def check_function(spec: str | Callable[..., Any]) -> Callable[..., Any]:
+    """The callable `spec` names ("package.module:fn") or is; ValueError saying why it cannot be
+    used (a name that does not import, an object that is not callable or does not pickle)."""
+    if not isinstance(spec, str):
+        if not callable(spec):
+            raise ValueError(f"{spec!r:.80} is not callable")
+        try:
+            cloudpickle.dumps(spec)
+        except Exception as err:
+            raise ValueError(
+                f"{plugin_name(spec)} cannot be sent to the verifier processes: cloudpickle "
+                f"fails on it ({type(err).__name__}: {err})"
+            ) from None
+        return spec
     try:
         fn = import_object(spec)
     except Exception as err:
@@ -101,8 +127,17 @@ def _complain(line: str) -> None:
 
 
 def _handler(spec: str) -> Callable[..., list[Scored]]:
-    """The worker's call (rlvr.verifiers.worker): the user function, guarded and checked."""
-    fn = check_function(spec)
+    """The worker's call (rlvr.verifiers.worker) of the function `spec` names."""
+    return _guarded(check_function(spec), spec)
+
+
+def _pickled_handler(name: str) -> Callable[..., list[Scored]]:
+    """The worker's call of the function its pool sent pickled (`name`: its plugin name)."""
+    return _guarded(pickle.loads(read_payload()), name)
+
+
+def _guarded(fn: Callable[..., Any], spec: str) -> Callable[..., list[Scored]]:
+    """The user function `fn` (named `spec` in messages), guarded and its return checked."""
 
     def score(
         prompts: list[str], responses: list[str], golds: list[str], metadata: list[dict]
@@ -118,28 +153,34 @@ def _handler(spec: str) -> Callable[..., list[Scored]]:
 
 
 class PythonVerifier(ClosingVerifier):
-    """Scores batches with the reward function `function` in `num_workers` worker processes, each
-    call within `timeout` seconds; MathVerifier's interface (`verify_batch`, `wait_ready`,
-    `close`, context manager), so the VerifierActor pool runs it alike."""
+    """Scores batches with the reward function `function` (its name, or the function itself) in
+    `num_workers` worker processes, each call within `timeout` seconds; MathVerifier's interface
+    (`verify_batch`, `wait_ready`, `close`, context manager), so the VerifierActor pool runs it
+    alike."""
 
     def __init__(
         self,
-        function: str,
+        function: str | Callable[..., Any],
         num_workers: int = 1,
         timeout: float = 5.0,
         memory_limit_mb: int | None = 4096,
     ):
         if num_workers < 1 or timeout <= 0:
             raise ValueError("num_workers must be >= 1 and timeout > 0")
-        self.function = function
+        self.function = plugin_name(function)
         self.num_workers = num_workers
         self.timeout = timeout
+        if isinstance(function, str):
+            factory, payload = "rlvr.verifiers.python:_handler", None
+        else:  # every worker, replacements too, gets the function on its input
+            factory, payload = "rlvr.verifiers.python:_pickled_handler", cloudpickle.dumps(function)
         self._workers = WorkerPool(
-            "rlvr.verifiers.python:_handler",
-            function,
+            factory,
+            self.function,
             num_workers=num_workers,
             memory_limit_mb=memory_limit_mb,
-            name=f"reward function {function}",
+            name=f"reward function {self.function}",
+            payload=payload,
         )
         self._threads = ThreadPoolExecutor(num_workers, thread_name_prefix="python-verify")
 

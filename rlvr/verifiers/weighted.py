@@ -9,21 +9,25 @@ such as a format bonus). Each component's reward is returned too, for the step's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from rlvr.verifiers.base import ClosingVerifier
+from rlvr.verifiers.worker import plugin_name
 
 __all__ = ["Component", "WeightedVerifier", "combine", "reward_name"]
 
 
-def reward_name(kind: str, function: str | None = None, name: str | None = None) -> str:
+def reward_name(
+    kind: str, function: str | Callable[..., Any] | None = None, name: str | None = None
+) -> str:
     """A component's name in metrics: `name`, else the function's name (python), else the kind."""
     if name:
         return name
-    if kind == "python" and function:
-        return function.rpartition(":")[2].rpartition(".")[2]
+    if kind == "python" and function is not None:
+        return plugin_name(function).rpartition(":")[2].rpartition(".")[2]
     return kind
 
 

@@ -2,13 +2,15 @@
 checks can hang (math-verify's sympy, a user's reward function).
 
 A worker is a subprocess that builds a handler once (`"module:factory"` called with one string
-argument) and then answers one JSON line per call. The calling thread enforces the deadline: a
+argument; a factory may read bytes its pool gives every worker, `read_payload`) and then answers
+one JSON line per call. The calling thread enforces the deadline: a
 worker that misses it (or dies) is SIGKILLed and replaced, and the call raises `WorkerLost`.
 Python-level timeouts (signal.alarm) do not work here: Ray actors call from a thread pool.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib
 import json
@@ -24,7 +26,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Worker", "WorkerLost", "WorkerPool", "import_object"]
+__all__ = ["Worker", "WorkerLost", "WorkerPool", "import_object", "plugin_name"]
 
 # Starting a worker may import heavy libraries (sympy and its LaTeX parser: about a second, longer
 # on a busy CPU).
@@ -45,6 +47,21 @@ def import_object(spec: str) -> Any:
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def plugin_name(plugin: str | Any) -> str:
+    """A plug-in as `package.module:name`: the string itself, or where a Python object was
+    defined (a function defined in a notebook or a script reads `__main__:fn`)."""
+    if isinstance(plugin, str):
+        return plugin
+    module = getattr(plugin, "__module__", None) or "?"
+    return f"{module}:{getattr(plugin, '__qualname__', type(plugin).__qualname__)}"
+
+
+def read_payload() -> bytes:
+    """In a worker's handler factory: the bytes its pool was given (`WorkerPool(payload=)`),
+    sent as the first line of the worker's input."""
+    return base64.b64decode(sys.stdin.buffer.readline())
 
 
 def _worker_main() -> None:
@@ -82,10 +99,13 @@ class WorkerLost(Exception):
 
 
 class Worker:
-    """One worker subprocess running the handler `factory(arg)`, and the line-buffered pipe
-    protocol to it; `memory_limit_mb` caps its address space."""
+    """One worker subprocess running the handler `factory(arg)` (`payload`: bytes for the
+    factory's `read_payload`), and the line-buffered pipe protocol to it; `memory_limit_mb` caps
+    its address space."""
 
-    def __init__(self, factory: str, arg: str, memory_limit_mb: int | None):
+    def __init__(
+        self, factory: str, arg: str, memory_limit_mb: int | None, payload: bytes | None = None
+    ):
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
@@ -98,6 +118,12 @@ class Worker:
         )
         self.ready = False
         self._buffer = bytearray()
+        if payload is not None:
+            try:
+                self.proc.stdin.write(base64.b64encode(payload) + b"\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass  # it died before reading: wait_ready says it could not start
 
     def _read_line(self, deadline: float) -> bytes:
         fd = self.proc.stdout.fileno()
@@ -171,7 +197,7 @@ class WorkerPool:
     """`num_workers` Workers of one handler; `call` is thread-safe and takes an idle worker, so up
     to `num_workers` calls run at once. A worker that misses a call's deadline or dies is replaced
     and the call raises `WorkerLost`. `close()` kills them; leftovers die at garbage collection or
-    exit. `name` names the owner in errors and logs."""
+    exit. `name` names the owner in errors and logs; `payload` goes to every worker it starts."""
 
     def __init__(
         self,
@@ -180,9 +206,11 @@ class WorkerPool:
         num_workers: int = 1,
         memory_limit_mb: int | None = None,
         name: str = "verifier",
+        payload: bytes | None = None,
     ):
         self.factory = factory
         self.arg = arg
+        self.payload = payload
         self.memory_limit_mb = memory_limit_mb
         self.name = name
         self._closed = False
@@ -195,7 +223,7 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _kill_all, self._procs)
 
     def _spawn(self) -> Worker:
-        worker = Worker(self.factory, self.arg, self.memory_limit_mb)
+        worker = Worker(self.factory, self.arg, self.memory_limit_mb, self.payload)
         with self._lock:
             self._procs.add(worker.proc)
         return worker

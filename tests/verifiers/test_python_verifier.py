@@ -1,12 +1,15 @@
 """verifier.kind python: a user's reward function in worker processes, per batch, under the hard
 timeout; whatever it does wrong scores the items it touched as errors or timeouts, never raises."""
 
+import os
+import threading
+
 import numpy as np
 import psutil
 import pytest
 
 from rlvr.verifiers.factory import make_verifier
-from rlvr.verifiers.python import PythonVerifier, check_rewards
+from rlvr.verifiers.python import PythonVerifier, check_function, check_rewards
 from tests.verifiers.hostile_solutions import ASSERT_GOLD, RIGHT, hostile_cases
 
 FNS = "tests.verifiers.reward_fns"
@@ -118,3 +121,35 @@ def test_a_plugin_that_runs_code_gets_the_sandbox_s_guarantees():
         )
     assert out[0] == (1.0, "correct")
     assert out[1][0] == 0.0 and out[1][1] in ("wrong", "error")
+
+
+def test_a_function_passed_as_an_object_scores_in_the_workers_by_value():
+    """A closure defined here (not importable by name) travels pickled by value, with what it
+    captured, to every worker the verifier starts, a replacement included."""
+    bonus = 0.25
+
+    def length_bonus(prompts, responses, golds, metadata):
+        import os
+        import time
+
+        if "sleep" in responses:
+            time.sleep(600)
+        return [(len(r) + bonus, f"pid {os.getpid()}") for r in responses]
+
+    with PythonVerifier(length_bonus, num_workers=1, timeout=1.0) as v:
+        first = v.verify_batch(["ab", "abc"], ["", ""])
+        assert [r for r, _ in first] == [2.25, 3.25]
+        # it ran in a worker process, not here
+        assert first[0][1] == first[1][1] != f"pid {os.getpid()}"
+        assert v.verify_batch(["sleep"], [""]) == [(0.0, "timeout")]
+        again = v.verify_batch(["a"], [""])  # on the worker that replaced the one killed
+        assert again[0][0] == 1.25 and again[0][1] != first[0][1]
+        assert v.function == f"{__name__}:{length_bonus.__qualname__}"
+
+
+def test_a_function_that_does_not_pickle_is_refused_with_why():
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match="cannot be sent to the verifier processes.*lock"):
+        check_function(lambda *args: lock)
+    with pytest.raises(ValueError, match="is not callable"):
+        check_function(3)
