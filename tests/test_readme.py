@@ -1,4 +1,6 @@
-"""README.md is executable: every command of its ```bash blocks is accepted by the code as written.
+"""README.md and the documentation pages (docs/) are executable: every command of their ```bash
+blocks is accepted by the code as written, and their ```python blocks run up to the call that
+would start a run, whose arguments must be valid.
 
 `rlvr train` / `rlvr demo` lines load their config with their `--set` overrides exactly as the CLI
 does and run the CLI's pre-actor `prepare_training` (loggers' packages, model, task, SFT warm-up:
@@ -10,6 +12,7 @@ line no check knows fails, so a new example cannot go untested.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import runpy
 import shlex
@@ -25,8 +28,11 @@ from rlvr.serving.config import ServeConfig, load_serve_config
 from workflows.cli import DEMO_CONFIG, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+README = "\n".join(page.read_text() for page in PAGES)
+"""Every page's text, as one: each check below holds for all of them."""
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
+PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
 REPO_PATH = re.compile(r"\b(?:configs|bench|notebooks)/[\w.-]+\.\w+")
 ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
@@ -44,7 +50,8 @@ def program(words: list[str]) -> tuple[str, list[str]]:
     return Path(words[0]).name, words[1:]
 
 
-COMMANDS = [words for block in BLOCKS for words in commands(block)]
+COMMANDS = list({shlex.join(w): w for block in BLOCKS for w in commands(block)}.values())
+"""Each distinct command once, in the order the pages show them."""
 
 
 def marked(words: list[str]) -> Any:
@@ -205,3 +212,33 @@ def test_rlvr_entry_point_runs():
         check=True,
     )
     assert "train" in done.stdout and "serve" in done.stdout
+
+
+class Reached(Exception):
+    """A documented Python example reached a call that would start a run, with valid arguments."""
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.strip().splitlines()[-1][:60])
+def test_docs_python_examples_run_up_to_their_runs(block, monkeypatch):
+    """Each ```python block runs for real (its configs load and validate, its reward functions
+    pickle) until it calls rlvr.train, rlvr.evaluate or rlvr.serve: that call's config must be
+    valid, and the example stops there."""
+    import rlvr
+    from workflows.api import as_config
+
+    def train(config=None, overrides=None, **options):
+        as_config(config, overrides)
+        raise Reached
+
+    def evaluate(checkpoint, **options):
+        raise Reached
+
+    def serve(config=None, overrides=None, **options):
+        load_serve_config(config, overrides)
+        raise Reached
+
+    for name, fn in (("train", train), ("evaluate", evaluate), ("serve", serve)):
+        monkeypatch.setattr(rlvr, name, fn)
+    monkeypatch.chdir(ROOT)
+    with contextlib.suppress(Reached):
+        exec(compile(block, "<docs>", "exec"), {"__name__": "__main__"})

@@ -23,10 +23,13 @@ def find_run_dir(path: Path) -> Path | None:
     return None
 
 
-def run_config(path: Path, config: str | None) -> tuple[Config, Path | None]:
-    """(the config to evaluate `path` under, its run directory): `config` when given, else the
-    config of the run holding `path`; ConfigError outside a run without one."""
+def run_config(path: Path, config: Config | str | Path | None) -> tuple[Config, Path | None]:
+    """(the config to evaluate `path` under, its run directory): `config` when given (a Config,
+    or a YAML file or preset to load), else the config of the run holding `path`; ConfigError
+    outside a run without one."""
     run_dir = find_run_dir(path)
+    if isinstance(config, Config):
+        return config, run_dir
     if config is not None:
         return load_config(config), run_dir
     if run_dir is not None:

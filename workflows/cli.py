@@ -1,6 +1,9 @@
 """The `rlvr` command: train, resume, demo, plot, serve, calibrate, evaluate, tandem-eval, export,
 and DRO's filter and rubrics.
 
+Training, evaluation and serving go through the Python API (`workflows.api`, exposed as
+`rlvr.train`, `rlvr.evaluate`, `rlvr.serve`), of which these commands are a thin layer.
+
 `rlvr train` starts a local Ray cluster bound to 127.0.0.1, which ends with it however it ends
 (`workflows.reaper`), or joins the cluster named by RAY_ADDRESS (as `ray job submit` sets it).
 Configuration errors exit with status 2 before any actor starts. The actors' own output (vLLM,
@@ -18,46 +21,31 @@ import sys
 from pathlib import Path
 
 from rlvr.config import Config, ConfigError, load_config
-from workflows.cluster import (
-    ENGINE_LOGS_HELP,
-    announce_engine_log,
-    init_ray,
-    quiet_driver,
-    ray_env,
-)
-from workflows.stopping import RunStopped, stopping_on_signals
+from workflows.cluster import ENGINE_LOGS_HELP, quiet_driver, ray_env
+from workflows.stopping import RunStopped
 
 DEMO_CONFIG = "smollm2-arith"
 """The shipped preset `rlvr demo` trains (`rlvr.config.presets`)."""
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    quiet = not (args.engine_logs or args.in_process)  # in-process, the engines run right here
-    if quiet:
+    """`rlvr train`: `workflows.api.train` in the foreground; its summary as JSON."""
+    if not (args.engine_logs or args.in_process):  # in-process, the engines run right here
         quiet_driver()
-    from workflows.train import load_run_config, prepare_training, run_path_for, train
+    from workflows.api import train
 
-    if args.resume:
-        run_path = Path(args.resume)
-        cfg = load_run_config(run_path)
-        if args.set:
-            raise ConfigError("--set cannot change a run being resumed; start a new run instead")
-    else:
-        cfg = load_config(args.config, args.set)
-        run_path = run_path_for(cfg)
-    prepared = prepare_training(cfg)  # bad input fails here, before Ray or any actor starts
-    init_ray(cfg, announce_engine_log(run_path) if quiet else None)
+    if args.resume and args.set:
+        raise ConfigError("--set cannot change a run being resumed; start a new run instead")
     try:
-        with stopping_on_signals():
-            summary = train(
-                cfg,
-                run_path,
-                resume=bool(args.resume),
-                use_actors=not args.in_process,
-                prepared=prepared,
-            )
+        summary = train(
+            None if args.resume else args.config,
+            args.set,
+            resume=Path(args.resume) if args.resume else False,
+            engine_logs=args.engine_logs,
+            in_process=args.in_process,
+        )
     except RunStopped as stop:
-        return report_stop(stop, run_path)
+        return report_stop(stop, stop.run_path)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -108,15 +96,12 @@ def demo_run_path(cfg: Config, overwrite: bool) -> Path:
 def cmd_demo(args: argparse.Namespace) -> int:
     if not args.engine_logs:
         quiet_driver()
-    from workflows.train import prepare_training, train
+    from workflows.api import train
 
     cfg = load_config(args.config or DEMO_CONFIG, args.set)
     run_path = demo_run_path(cfg, args.overwrite)
-    prepared = prepare_training(cfg)
-    init_ray(cfg, None if args.engine_logs else announce_engine_log(run_path))
     try:
-        with stopping_on_signals():
-            summary = train(cfg, run_path, prepared=prepared)
+        summary = train(cfg, engine_logs=args.engine_logs)
     except RunStopped as stop:
         return report_stop(stop, run_path)
     print(format_before_after(summary))
@@ -154,13 +139,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from rlvr.serving.config import load_serve_config
-    from workflows.serve import prepare_serve, serve_forever
+    """`rlvr serve`: `workflows.api.serve` in the foreground, until Ctrl-C."""
+    from workflows.api import serve
 
-    cfg = load_serve_config(args.config, args.set)
-    prepared = prepare_serve(cfg)  # bad checkpoint, calibration or grid fail here, before Ray
-    init_ray(cfg)
-    serve_forever(cfg, prepared)
+    serve(args.config, args.set)
     return 0
 
 
@@ -209,23 +191,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """`rlvr evaluate`: accuracy, pass@k and lengths of a checkpoint on a dataset, in this
-    process."""
-    from workflows.evaluate import run_evaluate
+    process (`workflows.api.evaluate`)."""
+    from workflows.api import evaluate
 
-    sampling = {"n": args.n, "temperature": args.temperature, "top_p": args.top_p}
-    sampling |= {"seed": args.seed} | (
-        {"max_tokens": args.max_tokens} if args.max_tokens is not None else {}
-    )
-    out, summary = run_evaluate(
+    summary = evaluate(
         args.checkpoint,
         data=args.data,
         config=args.config,
-        out=args.out,
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
         backend=args.backend,
-        **sampling,
+        out=args.out,
     )
-    keys = ("problems", "accuracy", "pass_at_k", "mean_length", "truncated_frac")
-    print(json.dumps({"out": str(out)} | {k: summary[k] for k in keys}, indent=2))
+    keys = ("out", "problems", "accuracy", "pass_at_k", "mean_length", "truncated_frac")
+    print(json.dumps({k: summary[k] for k in keys}, indent=2))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,6 @@ def init_ray(cfg: Config | ServeConfig, engine_log: Path | None = None) -> None:
 
     `engine_log`: the file that receives the actors' output (None: the console, as Ray does).
     """
-    fits = cfg.check_cluster if isinstance(cfg, ServeConfig) else partial(check_cluster, cfg)
     import ray
 
     from actors.controller import NAMESPACE
@@ -84,7 +84,7 @@ def init_ray(cfg: Config | ServeConfig, engine_log: Path | None = None) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(namespace=NAMESPACE, **output)
         try:
-            fits([n["Resources"] for n in ray.nodes() if n["Alive"]])
+            check_fits(cfg)
         except ConfigError:
             ray.shutdown()
             raise
@@ -92,7 +92,7 @@ def init_ray(cfg: Config | ServeConfig, engine_log: Path | None = None) -> None:
         cpus = os.cpu_count() or 1
         import torch
 
-        fits([{"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}])
+        _fits(cfg)([{"CPU": float(cpus), "GPU": float(torch.cuda.device_count())}])
         mark_environment()  # before the cluster starts: its processes inherit the mark
         context = ray.init(
             address="local",  # a cluster of its own, never one another process started
@@ -103,6 +103,19 @@ def init_ray(cfg: Config | ServeConfig, engine_log: Path | None = None) -> None:
             **output,
         )
         start_reaper(context.address_info["session_dir"])
+
+
+def check_fits(cfg: Config | ServeConfig) -> None:
+    """ConfigError, before any actor starts, where the config's actors cannot fit the nodes of the
+    cluster this driver has joined."""
+    import ray
+
+    _fits(cfg)([n["Resources"] for n in ray.nodes() if n["Alive"]])
+
+
+def _fits(cfg: Config | ServeConfig) -> Callable[[list[dict[str, float]]], None]:
+    """The check that the config's actors fit a cluster's nodes (given their resources)."""
+    return cfg.check_cluster if isinstance(cfg, ServeConfig) else partial(check_cluster, cfg)
 
 
 def announce_engine_log(run_path: Path) -> Path:

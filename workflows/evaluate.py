@@ -18,7 +18,7 @@ import numpy as np
 
 from rlvr.algorithms.pass_at_k import pass_at_k
 from rlvr.answers import extract_answer
-from rlvr.config import ConfigError
+from rlvr.config import Config, ConfigError
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.tasks.base import Problem
@@ -156,13 +156,14 @@ def plot(summary: dict[str, Any], items: list[dict[str, Any]], out: Path) -> Pat
 def run_evaluate(
     checkpoint: str,
     data: str | None = None,
-    config: str | None = None,
+    config: Config | str | None = None,
     out: str | None = None,
     backend: str = "vllm",
     **sampling: Any,
 ) -> tuple[Path, dict[str, Any]]:
     """The `rlvr evaluate` command: resolve the checkpoint, the problems (`data`: a preset's
-    held-out split or a dataset file; default the run's own held-out split) and the sampling
+    held-out split or a dataset file; default the run's own held-out split), the config (`config`:
+    a Config, a YAML file or preset; default the run's) and the sampling
     (max_tokens defaults to the run's); evaluate; write evaluation.json, items.jsonl and
     evaluation.png into `out` (default `<run>/eval-<checkpoint>`). Bad inputs: ConfigError."""
     from workflows.calibrate import load_cal_problems

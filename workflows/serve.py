@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -262,28 +263,46 @@ def check_edge(host: str, port: int) -> None:
 def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
     """`rlvr serve`: run until interrupted (Ctrl-C also during start-up), then shut Serve down
     (stream state stays on disk)."""
-    streams = updater = None
+    streams = None
     try:
         # The stream owner lives as long as this driver holds a handle to it.
         streams = start_serving(cfg, prepared)
-        print(
-            f"serving {prepared.settings.served_name} at http://{cfg.http.host}:{cfg.http.port}/v1 "
-            f"(streams: {', '.join(prepared.specs)}; state: {prepared.state_dir}; operator key for "
-            f"/v1/feedback and /v1/csa/status: {prepared.operator_key_source})",
-            flush=True,
-        )
+        announce(cfg, prepared)
         if not cfg.live.enabled:
             while True:
                 time.sleep(3600)
-        from workflows.live_updater import LiveUpdater
+        live_updates(cfg, prepared, streams, threading.Event())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_serving(streams)
 
-        updater = LiveUpdater(cfg, prepared.settings.model_dir, streams)
-        print(
-            f"live updates: every {cfg.live.round_size} rounds of stream {cfg.live_stream()} "
-            f"(adapters in {cfg.live_dir()})",
-            flush=True,
-        )
-        while True:
+
+def announce(cfg: ServeConfig, prepared: PreparedServe) -> None:
+    """Say where the deployment answers, and where its operator key comes from."""
+    print(
+        f"serving {prepared.settings.served_name} at http://{cfg.http.host}:{cfg.http.port}/v1 "
+        f"(streams: {', '.join(prepared.specs)}; state: {prepared.state_dir}; operator key for "
+        f"/v1/feedback and /v1/csa/status: {prepared.operator_key_source})",
+        flush=True,
+    )
+
+
+def live_updates(
+    cfg: ServeConfig, prepared: PreparedServe, streams: ray.actor.ActorHandle, stop: threading.Event
+) -> None:
+    """Run the live updater (`live.enabled`) until `stop` is set: every closed round of the live
+    stream becomes an update; a lost updater is replaced and resumes from its progress on disk."""
+    from workflows.live_updater import LiveUpdater
+
+    updater = LiveUpdater(cfg, prepared.settings.model_dir, streams)
+    print(
+        f"live updates: every {cfg.live.round_size} rounds of stream {cfg.live_stream()} "
+        f"(adapters in {cfg.live_dir()})",
+        flush=True,
+    )
+    try:
+        while not stop.is_set():
             try:
                 records = updater.poll()
             except RayActorError as err:
@@ -295,12 +314,13 @@ def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
                 print(
                     f"live round {record['round']}: {record['policy'] or 'no update'}", flush=True
                 )
-            time.sleep(cfg.live.poll_s)
-    except KeyboardInterrupt:
-        pass
+            stop.wait(cfg.live.poll_s)
     finally:
-        serve.shutdown()
-        if updater is not None:
-            updater.close()
-        if streams is not None:
-            ray.kill(streams, no_restart=True)
+        updater.close()
+
+
+def stop_serving(streams: ray.actor.ActorHandle | None) -> None:
+    """Shut Serve down and end the StreamsActor (its streams' state stays on disk)."""
+    serve.shutdown()
+    if streams is not None:
+        ray.kill(streams, no_restart=True)

@@ -1,7 +1,9 @@
 """How a run ends on a signal: the first Ctrl-C lets the step in progress commit and stops the run
 there (saying so at once), a second Ctrl-C or a SIGTERM stops it at once. Either way the step
 loop's cleanup stops the actors, Ray's exit takes the cluster down, and `--resume` continues after
-the last committed step.
+the last committed step. A run outside the main thread, where no signal handler can be set (the
+Python API's background runs), stops after its current step when `request_stop` asks, as a first
+Ctrl-C would.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 _asked: list[str] = []
 """The signal that asked for a stop at the next step boundary (signals are process-wide)."""
@@ -28,6 +31,8 @@ class RunStopped(KeyboardInterrupt):
         self.signal_name = signal_name
         self.at_boundary = at_boundary
         self.exit_code = 128 + signal.Signals[signal_name].value
+        self.run_path: Path | None = None
+        """The stopped run's directory, where the caller that raised it knows it."""
 
 
 def stop_if_asked() -> None:
@@ -55,6 +60,25 @@ def stopping_on_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        _asked.clear()
+        _now.clear()
+
+
+def request_stop() -> None:
+    """Ask the run in progress to stop after its current step, as a first Ctrl-C does."""
+    if not _asked:
+        _asked.append("SIGINT")
+
+
+@contextmanager
+def stopping_on_request() -> Iterator[None]:
+    """While the block runs, `request_stop` alone stops the run (after its current step); for a
+    run outside the main thread, which signals never reach."""
+    _asked.clear()
+    _now.clear()
+    try:
+        yield
+    finally:
         _asked.clear()
         _now.clear()
 

@@ -373,9 +373,10 @@ def train(
     resume: bool = False,
     use_actors: bool = True,
     prepared: tuple[Path, list[Problem], list[Problem]] | None = None,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Train (or resume) the run at `run_path`, recovering from up to `run.max_failures` lost
-    actors; returns the final summary.
+    actors; returns the final summary (`progress`: show the progress bar on stderr).
 
     A lost actor (`ActorFailure.lost`) stops the attempt; the next one starts every actor anew
     and resumes after the last committed step, exactly as `rlvr train --resume` would, so the
@@ -388,7 +389,9 @@ def train(
     failures = 0
     while True:
         try:
-            return _train_attempt(cfg, run_path, resume or failures > 0, use_actors, prepared)
+            return _train_attempt(
+                cfg, run_path, resume or failures > 0, use_actors, prepared, progress
+            )
         except ActorFailure as err:
             if not err.lost:
                 raise
@@ -424,6 +427,7 @@ def _train_attempt(
     resume: bool,
     use_actors: bool,
     prepared: tuple[Path, list[Problem], list[Problem]],
+    progress: bool = True,
 ) -> dict[str, Any]:
     """One attempt at the run: resume after the last committed step (when `resume`), open the
     loggers of `run.loggers` (continuing their runs), train to the end."""
@@ -437,7 +441,7 @@ def _train_attempt(
     run.truncate_logs_after(last if last is not None else -1)
     first_logged = -1 if last is None else last + 1  # -1: the evaluation before training
     with open_loggers(cfg.run, run.path, cfg.to_dict(), first_logged) as loggers:
-        return _train_after(cfg, run, last, use_actors, prepared, loggers)
+        return _train_after(cfg, run, last, use_actors, prepared, loggers, progress)
 
 
 def _train_after(
@@ -447,6 +451,7 @@ def _train_after(
     use_actors: bool,
     prepared: tuple[Path, list[Problem], list[Problem]],
     loggers: Loggers,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Start the actors, restore step `last` (None: start afresh) and train after it to the end,
     each step's metrics to `loggers`; write the final model and summary."""
@@ -490,6 +495,7 @@ def _train_after(
             total=cfg.run.steps,
             desc=cfg.run.name,
             unit="step",
+            disable=not progress,
         )
         for step in bar:
             stop_if_asked()  # asked during the step before (now committed) or the first evaluation

@@ -566,7 +566,8 @@ class VerifierConfig(Section):
         description="Where namespaces do not work (unshare(2) refused: an unprivileged "
         "container), run code rewards under the audit-hook sandbox instead of refusing to start. "
         "That hook lives in the program's own interpreter: a program that means to can get round "
-        "it, read the host's files and reach the network (README, 'Code rewards').",
+        "it, read the host's files and reach the network (docs/guides/bring-your-own.md, 'Code "
+        "rewards').",
     )
     max_uncomputed_share: float = Field(
         0.1,

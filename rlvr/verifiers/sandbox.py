@@ -431,7 +431,7 @@ def resolve_mode(mode: str, unsafe_hook: bool = False) -> str:
             "isolation, an audit hook inside the program's own interpreter, does not stop a "
             "program that means to get round it (a policy under training does). Run where "
             "unshare(2) works (root, or unprivileged user namespaces), or accept the risk with "
-            "verifier.unsafe_hook_sandbox: true (see README, 'Code rewards')"
+            "verifier.unsafe_hook_sandbox: true (docs/guides/bring-your-own.md, 'Code rewards')"
         )
     log.warning(
         "code sandbox: no namespaces here (%s); running code under the audit-hook mode, "

@@ -60,6 +60,14 @@ def cli(args: list[str]) -> subprocess.Popen:
     )
 
 
+@pytest.fixture
+def driver_env(monkeypatch) -> None:
+    """This process's environment as a fresh driver's (a run started in-process, or a notebook
+    kernel it starts): no leftovers of in-process DeepSpeed tests, no cluster address to join."""
+    for key in (*DISTRIBUTED_ENV, "RAY_ADDRESS"):
+        monkeypatch.delenv(key, raising=False)
+
+
 def train_args(output_dir: Path, *extra: str) -> list[str]:
     return [
         "train",

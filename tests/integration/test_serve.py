@@ -856,3 +856,60 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_fr
     assert f"operator key for /v1/feedback and /v1/csa/status: {tmp_path / 'state'}" in log
     assert f"every 100 rounds of stream default (adapters in {tmp_path / 'live'})" in log
     assert (tmp_path / "live" / "versions").is_dir()
+
+
+@pytest.mark.ray
+def test_a_background_deployment_serves_until_stopped(
+    sft_model, tmp_path, pick_free_ports, driver_env
+):
+    """`rlvr.serve(..., background=True)` in a driver of its own (a notebook's kernel): it returns
+    once the API answers, at its `url`, behind the same keys, and `stop()` ends it."""
+    import subprocess
+    import sys
+
+    Calibration(
+        calibrator=Calibrator([0.0, 1.0], [0.05, 0.3]),
+        raw_scores=[0.0, 1.0],
+        passed=[True, False],
+        k=2,
+        temperature=0.7,
+        top_p=1.0,
+        max_tokens=8,
+    ).save(tmp_path / "cal.json")
+    (port,) = pick_free_ports(1)
+    overrides = {
+        "model.path": str(sft_model),
+        "csa.calibration": str(tmp_path / "cal.json"),
+        "csa.state_dir": str(tmp_path / "state"),
+        "csa.streams.0.alpha": 0.5,
+        "generation.backend": "hf",
+        "http.port": port,
+        "replicas.cpus": 0,
+        "http.api_keys": [CLIENT_KEY],
+    }
+    script = f"""
+import httpx, rlvr
+deployment = rlvr.serve({str(SERVE_TINY)!r}, {overrides!r}, background=True)
+print("started", repr(deployment))
+print("unkeyed", httpx.get(deployment.url + "/models", timeout=30).status_code)
+print("keyed", httpx.get(deployment.url + "/models", headers={CLIENT!r}, timeout=30).status_code)
+deployment.stop()
+print("stopped", repr(deployment))
+try:
+    httpx.get(deployment.url + "/models", timeout=5)
+except httpx.TransportError:
+    print("closed")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    url = f"http://127.0.0.1:{port}/v1"
+    assert f"started Deployment('serve-tiny', serving at {url})" in done.stdout
+    assert "unkeyed 401" in done.stdout and "keyed 200" in done.stdout
+    assert f"stopped Deployment('serve-tiny', stopped at {url})" in done.stdout
+    assert "closed" in done.stdout
