@@ -4,7 +4,8 @@ Receives new weights after every training step through `update_weights` (named t
 object store on CPU) and keeps a running tokens/s figure. DUET's stop rule is built here from plain
 settings, because it decodes with this process's tokenizer (a decode function does not travel).
 In Tandem mode it also holds the frozen junior (in the same engine) and the word-switch schedule
-built from this process's tokenizer; `update_weights` reaches the senior only.
+built from this process's tokenizer; `update_weights` reaches the senior only. Multi-turn rollouts
+(`generate_trajectories`) run on the backend's engine loop, their turn callbacks in this process.
 """
 
 from __future__ import annotations

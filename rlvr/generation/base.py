@@ -2,12 +2,12 @@
 
 Backends (vLLM, transformers) take prompt token ids and return sampled token ids with their
 log-probs; per-sample stop rules (DUET's marker-gated abort) plug in through `StopRule`.
-Multi-turn rollouts (`generate_trajectories`) use the types of `rlvr.generation.trajectories`.
+Multi-turn rollouts (`rlvr.generation.trajectories.TrajectoryBackend`) build on these types.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -15,7 +15,6 @@ import torch
 
 if TYPE_CHECKING:
     from rlvr.algorithms.tandem import WordSwitchSchedule
-    from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 
 EngineLoop = Literal["requests", "batch"]
 """How vLLM samples a `generate` call: "requests" runs every sample as its own request through
@@ -123,28 +122,6 @@ class GenerationBackend(Protocol):
     ) -> list[GenerationResult]:
         """Sample every request; `schedule` makes each sample a Tandem rollout co-written with
         the backend's junior (backends started with one)."""
-        ...
-
-    def generate_trajectories(
-        self,
-        trajectories: Sequence[Trajectory],
-        params: SamplingParams,
-        limits: TrajectoryLimits | None = None,
-        schedule: WordSwitchSchedule | None = None,
-    ) -> list[TrajectoryResult]:
-        """Run multi-turn rollouts (`rlvr.generation.trajectories`), results in the order given;
-        `params.max_tokens` bounds each turn, `limits` the trajectory."""
-        ...
-
-    def iter_trajectories(
-        self,
-        trajectories: Sequence[Trajectory],
-        params: SamplingParams,
-        limits: TrajectoryLimits | None = None,
-        schedule: WordSwitchSchedule | None = None,
-    ) -> Iterator[tuple[int, TrajectoryResult]]:
-        """`generate_trajectories` yielding (index, result) as each trajectory ends; leaving the
-        iterator early aborts what is still being sampled."""
         ...
 
     def load_weights(

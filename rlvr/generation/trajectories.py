@@ -7,6 +7,8 @@ is exactly turn t's prompt + the tokens turn t sampled + the observation ids: to
 nothing is decoded and re-tokenised, so the model's tokens in a trajectory are the tokens it
 sampled, and vLLM's prefix cache serves the earlier turns. A trajectory without a callback is
 single-turn: it ends after turn 0 (`GenerationBackend.generate` runs every sample as one).
+Backends run trajectories through `TrajectoryBackend` (`VLLMBackend`, `HFBackend`; the
+GeneratorActor and GeneratorPool pass them on).
 
 Callbacks may be slow (a tool or an environment in a subprocess): backends run them on a small
 thread pool, off the engine's thread, while the other trajectories keep generating. A callback
@@ -41,12 +43,15 @@ Only the trajectory concerned ends; the others of the call go on.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from rlvr.generation.base import Sample, StopRule
+from rlvr.generation.base import Sample, SamplingParams, StopRule
+
+if TYPE_CHECKING:
+    from rlvr.algorithms.tandem import WordSwitchSchedule
 
 TrajectoryStatus = Literal[
     "done", "callback_error", "callback_timeout", "max_turns", "token_budget", "context_length"
@@ -127,7 +132,8 @@ class Turn:
     """Everything before this turn's response: the first prompt, then every earlier turn's
     sampled ids and observation ids."""
     seed: int | None
-    """The seed this turn sampled from (`turn_seed`; for Tandem its author state's seed too)."""
+    """The seed this turn sampled from (`turn_seed`); a Tandem turn's author state starts from
+    it too (from a fresh random seed when it is None)."""
     sample: Sample
     """The sampled ids, their engine log-probs, the finish reason, the stop rule's flags and, in
     a Tandem rollout, the authorship."""
@@ -167,6 +173,33 @@ class TrajectoryResult:
             return []
         last = self.turns[-1]
         return last.prompt_ids + last.sample.token_ids + last.observation_ids
+
+
+@runtime_checkable
+class TrajectoryBackend(Protocol):
+    """A generation backend that runs trajectories (both `VLLMBackend` and `HFBackend`)."""
+
+    def generate_trajectories(
+        self,
+        trajectories: Sequence[Trajectory],
+        params: SamplingParams,
+        limits: TrajectoryLimits | None = None,
+        schedule: WordSwitchSchedule | None = None,
+    ) -> list[TrajectoryResult]:
+        """Run every trajectory, results in the order given; `params.max_tokens` bounds each turn,
+        `limits` the trajectory, `schedule` makes every turn a Tandem rollout."""
+        ...
+
+    def iter_trajectories(
+        self,
+        trajectories: Sequence[Trajectory],
+        params: SamplingParams,
+        limits: TrajectoryLimits | None = None,
+        schedule: WordSwitchSchedule | None = None,
+    ) -> Iterator[tuple[int, TrajectoryResult]]:
+        """`generate_trajectories` yielding (index, result) as each trajectory ends; leaving the
+        iterator early aborts what is still being sampled."""
+        ...
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:

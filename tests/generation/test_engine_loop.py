@@ -17,6 +17,7 @@ from rlvr.generation.trajectories import (
     Continue,
     Finish,
     Trajectory,
+    TrajectoryBackend,
     TrajectoryLimits,
     TrajectoryResult,
     turn_seed,
@@ -109,6 +110,7 @@ def test_multi_turn_prompts_chain_and_each_turn_samples_from_its_seed(backend):
         Trajectory(p, seed=1000 * i + 1, next_turn=Observe(3), trajectory_id=f"t{i}")
         for i, p in enumerate([LONG, *PROMPTS[:2]])
     ]
+    assert isinstance(backend, TrajectoryBackend)
     results = backend.generate_trajectories(trajectories, params)
     assert [r.trajectory_id for r in results] == ["t0", "t1", "t2"]
     for trajectory, result in zip(trajectories, results, strict=True):
