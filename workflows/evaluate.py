@@ -190,6 +190,7 @@ def run_evaluate(
             "max_model_len": g.max_model_len,
             "kv_cache_gib": g.kv_cache_gib,
             "enforce_eager": g.enforce_eager,
+            "engine_loop": g.engine_loop,
         }
     log.info("evaluating %s on %d problems, %d samples each", model_dir, len(problems), settings.n)
     summary, items = evaluate(

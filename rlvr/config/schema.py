@@ -264,6 +264,14 @@ class GenerationConfig(Section):
     enforce_eager: bool = Field(
         False, description="Skip vLLM's torch.compile: starts faster, decodes slower."
     )
+    engine_loop: Literal["requests", "batch"] = Field(
+        "requests",
+        description=(
+            "How vLLM engines sample: 'requests' drives the engine request by request "
+            "(continuous batching, as multi-turn rollouts need); 'batch' hands a step's samples "
+            "to one lock-step LLM.generate call. Both sample the same tokens for the same seeds."
+        ),
+    )
     eval_samples: int = Field(1, gt=0, description="Samples per held-out problem (mean@k).")
     eval_temperature: float = Field(0.0, ge=0.0, description="Temperature for held-out evaluation.")
 

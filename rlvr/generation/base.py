@@ -2,18 +2,24 @@
 
 Backends (vLLM, transformers) take prompt token ids and return sampled token ids with their
 log-probs; per-sample stop rules (DUET's marker-gated abort) plug in through `StopRule`.
+Multi-turn rollouts (`rlvr.generation.trajectories.TrajectoryBackend`) build on these types.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from rlvr.algorithms.tandem import WordSwitchSchedule
+
+EngineLoop = Literal["requests", "batch"]
+"""How vLLM samples a `generate` call: "requests" runs every sample as its own request through
+the engine loop (`rlvr.generation.engine_loop`, continuous batching, the path multi-turn rollouts
+take); "batch" hands them all to one `vllm.LLM.generate` call. Both sample the same tokens."""
 
 
 @dataclass(frozen=True)
