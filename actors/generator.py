@@ -19,6 +19,7 @@ import torch
 
 from rlvr.algorithms.duet.stop import StopControllerFactory
 from rlvr.algorithms.tandem import WordSwitchSchedule, word_boundary_ids
+from rlvr.envs.rollout import AgentRequest, Agents, EnvSettings
 from rlvr.generation import make_backend
 from rlvr.generation.base import (
     EngineLoop,
@@ -62,6 +63,8 @@ class GeneratorActor:
         self.tokens = 0
         self.seconds = 0.0
         self.weight_version = 0
+        self.max_model_len: int | None = backend_kwargs.get("max_model_len")
+        self._agents: Agents | None = None
 
     def ready(self) -> bool:
         return True
@@ -111,6 +114,25 @@ class GeneratorActor:
         t = time.perf_counter()
         results = self.backend.generate_trajectories(trajectories, params, limits, schedule)
         self._count(t, sum(r.model_tokens for r in results))
+        return results
+
+    def generate_agents(
+        self,
+        requests: Sequence[AgentRequest],
+        params: SamplingParams,
+        env: EnvSettings,
+        weight_version: int | None = None,
+    ) -> list[GenerationResult]:
+        """Multi-turn rollouts in an environment (`rlvr.envs.rollout`): one result per
+        trajectory; the environments (tools in their sandboxes, a user class in a process of its
+        own) run beside this engine."""
+        self._checked(False, weight_version)
+        if self._agents is None or self._agents.settings != env:
+            self._agents = Agents(env, self.backend.tokenizer)
+        t = time.perf_counter()
+        results = self._agents.generate(self.backend, requests, params, self.max_model_len)
+        tokens = sum(sum(s.model_tokens or ()) for r in results for s in r.samples)
+        self._count(t, tokens)
         return results
 
     def _checked(self, tandem: bool, weight_version: int | None) -> WordSwitchSchedule | None:

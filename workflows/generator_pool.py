@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from rlvr.envs.rollout import AgentRequest, EnvSettings
 from rlvr.generation.base import GenerationRequest, GenerationResult, SamplingParams
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 from workflows.workers import FanOut, Worker
@@ -65,6 +66,7 @@ class GeneratorPool:
         self._methods: dict[str, Callable[..., FanOut]] = {
             "generate": self._generate,
             "generate_trajectories": self._generate_trajectories,
+            "generate_agents": self._generate_agents,
             "score_logprobs": self._score_logprobs,
             "update_weights": self._update_weights,
             "stats": self._stats,
@@ -112,6 +114,18 @@ class GeneratorPool:
         return self.run(
             "generate_trajectories", trajectories, params, limits, tandem=tandem, step=step
         )
+
+    def generate_agents(
+        self,
+        requests: Sequence[AgentRequest],
+        params: SamplingParams,
+        env: EnvSettings,
+        step: int | None = None,
+    ) -> list[GenerationResult]:
+        """Multi-turn rollouts in an environment, one result per trajectory in request order, the
+        requests split over the engines (each trajectory's seed is its request's, so the split
+        changes no token)."""
+        return self.run("generate_agents", requests, params, env, step=step)
 
     def score_logprobs(
         self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
@@ -185,6 +199,28 @@ class GeneratorPool:
                     params,
                     limits,
                     tandem=tandem,
+                    weight_version=self.weight_version,
+                ),
+            )
+            for i, shard in enumerate(contiguous_shards(costs, len(self.workers)))
+            if shard.stop > shard.start
+        ]
+        return FanOut(parts, _concat)
+
+    def _generate_agents(
+        self, requests: Sequence[AgentRequest], params: SamplingParams, env: EnvSettings
+    ) -> FanOut:
+        """Shards balanced on n x max_tokens per allowed turn (prompts are rendered where the
+        environments run)."""
+        costs = [r.n * params.max_tokens * env.max_turns for r in requests]
+        parts = [
+            (
+                self.workers[i],
+                self.workers[i].call(
+                    "generate_agents",
+                    requests[shard],
+                    params,
+                    env,
                     weight_version=self.weight_version,
                 ),
             )

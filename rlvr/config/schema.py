@@ -30,6 +30,7 @@ from rlvr.config.core import (
     vllm_on_cpu,
 )
 from rlvr.envs.hosted import check_environment_class
+from rlvr.envs.rollout import EnvSettings
 from rlvr.envs.tools import load_tools
 from rlvr.generation.base import SamplingParams
 from rlvr.tasks.prompts import PROMPT_SLOT
@@ -903,6 +904,24 @@ class EnvConfig(Section):
     @property
     def multi_turn(self) -> bool:
         return self.kind != "none"
+
+    def settings(self, instruction: str, unsafe_hook: bool) -> EnvSettings:
+        """The section as the engines' processes take it (`rlvr.envs.rollout.EnvSettings`)."""
+        return EnvSettings(
+            kind=self.kind,
+            tools=tuple(self.tools),
+            env_class=self.env_class,
+            kwargs=dict(self.kwargs),
+            parser=self.parser,
+            max_turns=self.max_turns,
+            max_tool_calls=self.max_tool_calls,
+            token_budget=self.token_budget,
+            tool_timeout_s=self.tool_timeout_s,
+            tool_memory_mb=self.tool_memory_mb,
+            env_timeout_s=self.env_timeout_s,
+            instruction=instruction,
+            unsafe_hook=unsafe_hook,
+        )
 
 
 class RunConfig(Section):

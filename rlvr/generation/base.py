@@ -100,6 +100,9 @@ class Sample:
     authorship: list[int] | None = None
     """Tandem rollouts only: the author of each token (1 = senior, 0 = junior), same length as
     `token_ids`; the schedule's counters are in `flags["tandem"]`."""
+    model_tokens: list[bool] | None = None
+    """Multi-turn rollouts only: whether the model sampled each token (False on what an
+    environment answered between its turns), same length as `token_ids`."""
 
 
 @dataclass
