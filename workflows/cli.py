@@ -222,10 +222,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         config=args.config,
         out=args.out,
         backend=args.backend,
+        use_env=not args.no_env,
         **sampling,
     )
-    keys = ("problems", "accuracy", "pass_at_k", "mean_length", "truncated_frac")
-    print(json.dumps({"out": str(out)} | {k: summary[k] for k in keys}, indent=2))
+    keys = ("problems", "accuracy", "pass_at_k", "mean_length", "truncated_frac", "env", "agent")
+    print(json.dumps({"out": str(out)} | {k: summary[k] for k in keys if k in summary}, indent=2))
     return 0
 
 
@@ -395,6 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--max-tokens", type=int, help="default: the config's generation.max_tokens")
     ge.add_argument("--seed", type=int, default=0, help="base sampling seed")
     ge.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    ge.add_argument(
+        "--no-env",
+        action="store_true",
+        help="single-turn, without the run's tools or environment (its env section)",
+    )
     ge.add_argument("--out", help="output folder (default: <run>/eval-<checkpoint>)")
     ge.set_defaults(fn=cmd_evaluate)
 

@@ -1,7 +1,7 @@
 """Multi-turn rollouts through the whole run: a user's environment class (a module outside the
 package, in a process of its own per trajectory) answering the tiny model's turns on the vLLM
-engine, the trainer training on the model's tokens alone, the agent metrics per step, and a
-killed run resuming bit for bit."""
+engine, the trainer training on the model's tokens alone, the agent metrics per step, a
+killed run resuming bit for bit, and `rlvr evaluate` of the result in its environment."""
 
 from __future__ import annotations
 
@@ -47,3 +47,32 @@ def test_a_multi_turn_run_trains_on_the_model_s_tokens_and_resumes_exactly(
     assert run_records(runs[0], "metrics.jsonl") == run_records(runs[1], "metrics.jsonl")
     assert run_records(runs[0], "rollouts.jsonl") == run_records(runs[1], "rollouts.jsonl")
     assert_same_weights(*runs)
+    check_evaluate(run, tmp_path, run_cli)
+
+
+def check_evaluate(run, tmp_path, run_cli) -> None:
+    """`rlvr evaluate` plays the run's environment on vLLM (its reward, its agent records);
+    `--no-env` samples single-turn, scored by the verifier."""
+    common = ["evaluate", "--checkpoint", str(run), "--n", "2"]
+    proc = run_cli([*common, "--out", str(tmp_path / "with")])
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    proc = run_cli([*common, "--no-env", "--backend", "hf", "--out", str(tmp_path / "without")])
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    with_env, without = (
+        (
+            json.loads((tmp_path / d / "evaluation.json").read_text()),
+            [json.loads(x) for x in (tmp_path / d / "items.jsonl").read_text().splitlines()],
+        )
+        for d in ("with", "without")
+    )
+    assert with_env[0]["env"] == "python" and without[0]["env"] == "none"
+    assert 1.0 <= with_env[0]["agent"]["agent_turns_mean"] <= 3.0 and "agent" not in without[0]
+    for item in with_env[1]:
+        for sample, correct in zip(item["samples"], item["correct"], strict=True):
+            assert sample["status"] == "environment" and sample["agent"]["turns"] >= 1
+            assert correct == (sample["agent"]["env_reward"] == 1.0)
+    assert all(
+        "agent" not in s and s["status"] != "environment" for i in without[1] for s in i["samples"]
+    )
