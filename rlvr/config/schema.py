@@ -105,6 +105,12 @@ class ModelConfig(Section):
         description="Training problems the warm-up draws from (None: task.n_train), so RL can "
         "keep a small recurring prompt pool while the warm-up sees many.",
     )
+    sft_warmup_traces: Literal["solutions", "tool_calls"] = Field(
+        "solutions",
+        description="What the warm-up imitates: the reference solutions, or (env.kind 'tools') "
+        "traces that call the calculator and then answer, rendered as rollouts render them "
+        "(rlvr/envs/traces.py).",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
@@ -118,6 +124,9 @@ class DifficultyConfig(Section):
         2, ge=1, description="Most operations per problem (arithmetic; code: up to 3)."
     )
     max_operand: int = Field(20, ge=1, description="Largest operand.")
+    max_multiplier: int = Field(
+        5, ge=2, description="Largest factor of a product (arithmetic; also <= max_operand)."
+    )
     operators: str = Field("+-", min_length=1, description="Allowed operators, a subset of '+-*'.")
     style: Literal["expression", "words", "mixed"] = Field(
         "expression", description="Plain expressions or word problems."
@@ -227,8 +236,10 @@ class TaskConfig(Section):
         """The task's settings for cache keys; an empty field map and the default reasoning are
         left out, so keys made before task.fields / difficulty.reasoning existed still match."""
         exclude: dict[str, Any] = {} if self.fields.mapping() else {"fields": True}
-        if self.difficulty.reasoning == "short":
-            exclude["difficulty"] = {"reasoning"}  # likewise for keys made before reasoning
+        defaults = {"reasoning": "short", "max_multiplier": 5}
+        unchanged = {k for k, v in defaults.items() if getattr(self.difficulty, k) == v}
+        if unchanged:
+            exclude["difficulty"] = unchanged  # likewise for keys made before these fields
         return self.model_dump(mode="json", exclude=exclude or None)
 
 
@@ -1042,6 +1053,11 @@ class Config(Section):
         if self.env.multi_turn and spec.single_turn:
             raise ValueError(
                 f"env.kind: {self.algorithm.name} runs single-turn rollouts only: {spec.single_turn}"
+            )
+        if self.model.sft_warmup_traces == "tool_calls" and self.env.kind != "tools":
+            raise ValueError(
+                "model.sft_warmup_traces: tool_calls traces call a tool of env.tools; "
+                f"set env.kind: tools (it is {self.env.kind!r})"
             )
         if spec.check is not None:
             spec.check(self)
