@@ -93,7 +93,8 @@ class Sample:
     """Log-prob of each sampled token under the distribution it was drawn from: softmax(logits / T)
     renormalised over the top-p nucleus (log_softmax of the raw logits when greedy); a token a
     stop rule forced has log-prob 0. Both backends return this; the trainer's engine importance
-    correction compares it with its own log-probs at T (without top-p, as verl and TRL)."""
+    correction compares it with its own log-probs renormalised over the same nucleus
+    (`rlvr.algorithms.nucleus`), so that equal weights give a ratio of 1."""
     finish_reason: str
     """'stop' (EOS, stop string or stop rule), 'length' (max_tokens), or 'abort'."""
     flags: dict[str, Any] = field(default_factory=dict)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rlvr.envs.rollout import AGENT_FLAGS, AgentRequest, Agents, EnvSettings
-from rlvr.generation.base import SamplingParams
+from rlvr.generation.base import Sample, SamplingParams
+from rlvr.generation.engine_loop import FinishedTurn, TurnRequest, run_trajectories
 from rlvr.generation.hf_backend import HFBackend
 from rlvr.tasks.base import Problem
 
@@ -83,3 +84,75 @@ def test_the_token_budget_ends_a_trajectory(engine):
         record = result.samples[0].flags[AGENT_FLAGS]
         assert sum(result.samples[0].model_tokens) <= 8
         assert record["end_reason"] == "token_budget" or record["turns"] < 3
+
+
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "47 * 86"}}\n</tool_call>'
+UNKNOWN = '<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>'
+
+
+class ScriptedPolicy:
+    """The engine loop's `TurnEngine` with a policy that writes a fixed text per turn (the tiny
+    model never writes a tool call): the first turn calls the calculator, the second an unknown
+    tool, the third answers. Everything after the text (the loop, the parser, the sandboxed
+    tools, the splicing) is the real path."""
+
+    rounds = True
+    vocab_size = 2048
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.context_limit = 4096
+        self.submitted: list[tuple[int, TurnRequest]] = []
+
+    def submit(self, key: int, request: TurnRequest) -> None:
+        self.submitted.append((key, request))
+
+    def poll(self) -> list[FinishedTurn]:
+        done, self.submitted = self.submitted, []
+        out = []
+        for key, request in done:
+            results = self.tokenizer.decode(request.prompt_ids).count("<tool_response>\n")
+            text = [CALL, UNKNOWN, "\\boxed{4042}"][min(results, 2)]
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids.append(self.tokenizer.eos_token_id)
+            out.append(FinishedTurn(key, Sample(ids, text, [-0.5] * len(ids), "stop")))
+        return out
+
+    def in_flight(self) -> int:
+        return len(self.submitted)
+
+    def abort(self) -> None:
+        self.submitted = []
+
+    def generate_trajectories(self, trajectories, params, limits=None, schedule=None):
+        return run_trajectories(self, trajectories, params, limits)
+
+
+def test_tool_calls_run_sandboxed_and_return_as_observations_the_model_does_not_train_on(engine):
+    tools = EnvSettings(kind="tools", tools=("rlvr.envs.builtin_tools:calculate",), max_turns=4)
+    policy = ScriptedPolicy(engine.tokenizer)
+    problem = Problem("p", "Compute 47 * 86.", "4042")
+    [result] = Agents(tools, engine.tokenizer).generate(
+        policy, [AgentRequest(problem, n=1, seed=0, request_id="p")], SamplingParams(max_tokens=64)
+    )
+    [sample] = result.samples
+    record = sample.flags[AGENT_FLAGS]
+    assert record == {
+        "turns": 3,
+        "tool_calls": 2,
+        "tool_errors": 1,  # the unknown tool: an error the model reads, not a failed rollout
+        "end_reason": "done",
+        "env_reward": None,  # no reward of the loop's own: the verifier scores the answer
+    }
+    assert sample.text == "\\boxed{4042}"
+    tokenizer = engine.tokenizer
+    own = [t for t, m in zip(sample.token_ids, sample.model_tokens, strict=True) if m]
+    observed = tokenizer.decode(
+        [t for t, m in zip(sample.token_ids, sample.model_tokens, strict=True) if not m]
+    )
+    written = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in (CALL, UNKNOWN)]
+    assert own == written[0] + [tokenizer.eos_token_id] + written[1] + [tokenizer.eos_token_id] + (
+        tokenizer("\\boxed{4042}", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    )
+    assert "<tool_response>\n4042\n</tool_response>" in observed
+    assert "Error: no tool named 'lookup' (tools: calculate)" in observed
