@@ -4,7 +4,8 @@ Receives new weights after every training step through `update_weights` (named t
 object store on CPU) and keeps a running tokens/s figure. DUET's stop rule is built here from plain
 settings, because it decodes with this process's tokenizer (a decode function does not travel).
 In Tandem mode it also holds the frozen junior (in the same engine) and the word-switch schedule
-built from this process's tokenizer; `update_weights` reaches the senior only.
+built from this process's tokenizer; `update_weights` reaches the senior only. Multi-turn rollouts
+(`generate_trajectories`) run on the backend's engine loop, their turn callbacks in this process.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import torch
 
 from rlvr.algorithms.duet.stop import StopControllerFactory
 from rlvr.algorithms.tandem import WordSwitchSchedule, word_boundary_ids
+from rlvr.envs.rollout import AgentRequest, Agents, EnvSettings
 from rlvr.generation import make_backend
 from rlvr.generation.base import (
+    EngineLoop,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
     StopRuleFactory,
 )
+from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 from rlvr.memory import pin_mmap_threshold, release_free_heap
 from rlvr.training import weight_sync
 from rlvr.training.rendezvous import bind_collectives
@@ -59,6 +63,8 @@ class GeneratorActor:
         self.tokens = 0
         self.seconds = 0.0
         self.weight_version = 0
+        self.max_model_len: int | None = backend_kwargs.get("max_model_len")
+        self._agents: Agents | None = None
 
     def ready(self) -> bool:
         return True
@@ -71,18 +77,15 @@ class GeneratorActor:
         duet_stop: dict[str, Any] | None = None,
         tandem: bool = False,
         weight_version: int | None = None,
+        loop: EngineLoop | None = None,
     ) -> list[GenerationResult]:
         """Sample every request; `duet_stop` (the settings of a `StopControllerFactory` but the
         decode function and request sizes; `first_row` when these requests continue a step
         split over engines) runs DUET's stop rule on every sample in the engine; `tandem`
         co-writes every sample with the junior (authorship in `Sample.authorship`).
-        `weight_version`, when given, must be this engine's: a step never mixes weights."""
-        if weight_version is not None and weight_version != self.weight_version:
-            raise ValueError(
-                f"engine at weight version {self.weight_version}, the step expects {weight_version}"
-            )
-        if tandem and self.schedule is None:
-            raise ValueError("tandem generation needs a GeneratorActor started with a junior")
+        `weight_version`, when given, must be this engine's: a step never mixes weights.
+        `loop` overrides a vLLM engine's `engine_loop` for this call."""
+        schedule = self._checked(tandem, weight_version)
         if duet_stop is not None:
             if stop_rule_factory is not None:
                 raise ValueError("pass either stop_rule_factory or duet_stop, not both")
@@ -90,14 +93,65 @@ class GeneratorActor:
                 decode=self._decode, request_sizes=[r.n for r in requests], **duet_stop
             )
         t = time.perf_counter()
-        schedule = self.schedule if tandem else None
-        results = self.backend.generate(requests, params, stop_rule_factory, schedule=schedule)
-        self.seconds += time.perf_counter() - t
-        self.tokens += sum(len(s.token_ids) for r in results for s in r.samples)
+        kwargs = {} if loop is None else {"loop": loop}
+        results = self.backend.generate(
+            requests, params, stop_rule_factory, schedule=schedule, **kwargs
+        )
+        self._count(t, sum(len(s.token_ids) for r in results for s in r.samples))
+        return results
+
+    def generate_trajectories(
+        self,
+        trajectories: Sequence[Trajectory],
+        params: SamplingParams,
+        limits: TrajectoryLimits | None = None,
+        tandem: bool = False,
+        weight_version: int | None = None,
+    ) -> list[TrajectoryResult]:
+        """Run multi-turn rollouts (`rlvr.generation.trajectories`) on this engine; their turn
+        callbacks run in this process. `tandem` and `weight_version` as in `generate`."""
+        schedule = self._checked(tandem, weight_version)
+        t = time.perf_counter()
+        results = self.backend.generate_trajectories(trajectories, params, limits, schedule)
+        self._count(t, sum(r.model_tokens for r in results))
+        return results
+
+    def generate_agents(
+        self,
+        requests: Sequence[AgentRequest],
+        params: SamplingParams,
+        env: EnvSettings,
+        weight_version: int | None = None,
+    ) -> list[GenerationResult]:
+        """Multi-turn rollouts in an environment (`rlvr.envs.rollout`): one result per
+        trajectory; the environments (tools in their sandboxes, a user class in a process of its
+        own) run beside this engine."""
+        self._checked(False, weight_version)
+        if self._agents is None or self._agents.settings != env:
+            self._agents = Agents(env, self.backend.tokenizer)
+        t = time.perf_counter()
+        results = self._agents.generate(self.backend, requests, params, self.max_model_len)
+        tokens = sum(sum(s.model_tokens or ()) for r in results for s in r.samples)
+        self._count(t, tokens)
+        return results
+
+    def _checked(self, tandem: bool, weight_version: int | None) -> WordSwitchSchedule | None:
+        """The Tandem schedule of a call (None: solo), once the call's weights are this engine's."""
+        if weight_version is not None and weight_version != self.weight_version:
+            raise ValueError(
+                f"engine at weight version {self.weight_version}, the step expects {weight_version}"
+            )
+        if tandem and self.schedule is None:
+            raise ValueError("tandem generation needs a GeneratorActor started with a junior")
+        return self.schedule if tandem else None
+
+    def _count(self, start: float, tokens: int) -> None:
+        """Book a generation call's time and tokens."""
+        self.seconds += time.perf_counter() - start
+        self.tokens += tokens
         # The step's logits and sampler buffers are free now; the engine idles while the policy
         # trains, and should not hold them meanwhile.
         release_free_heap()
-        return results
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.backend.tokenizer.decode(ids, skip_special_tokens=True)

@@ -120,6 +120,36 @@ def test_plot_overview_draws_each_panel(run_dir):
     ]
 
 
+def test_a_multi_turn_run_gets_the_agent_panels():
+    rows = [
+        {
+            "step": 0,
+            "agent_turns_mean": 2.0,
+            "agent_tool_calls_per_trajectory": 1.5,
+            "agent_tool_error_share": 0.25,
+            "agent_end_done": 0.75,
+            "agent_end_max_turns": 0.25,
+        },
+        {
+            "step": 1,
+            "agent_turns_mean": 1.5,
+            "agent_tool_calls_per_trajectory": 0.5,
+            "agent_tool_error_share": 0.0,
+            "agent_end_done": 1.0,
+        },
+    ]
+    fig = plot_overview(metrics_frame(rows), metrics_frame([]))
+    assert len(fig.axes) == 6
+    turns, shares = fig.axes[4:]
+    assert [ln.get_ydata().tolist() for ln in turns.get_lines()] == [[2.0, 1.5], [1.5, 0.5]]
+    assert [ln.get_label() for ln in shares.get_lines()] == [
+        "tool errors (of calls)",
+        "ended: done",
+        "ended: max_turns",
+    ]
+    assert shares.get_lines()[2].get_ydata()[0] == 0.25
+
+
 def test_plot_overview_of_a_run_without_steps():
     fig = plot_overview(metrics_frame([]), metrics_frame([]))
     assert len(fig.axes) == 4

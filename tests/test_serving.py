@@ -156,6 +156,47 @@ def test_generation_request_checks():
         check_generation_request(two, "m", 32, "default")
 
 
+CALC = {"type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "calculate", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [CALC]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "calculate"}}}, "tool_choice"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "2 + 2?"},
+                    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "4"},
+                ]
+            },
+            "messages.1.tool_calls",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]},
+            "messages.1.role",
+        ),
+    ],
+)
+def test_tool_calling_is_refused_with_the_reason(body, param):
+    """The gate certifies final answers; a request for tool calls is a 400 that says why, not a
+    request whose tools are silently dropped."""
+    with pytest.raises(ApiError) as info:
+        ask(body)
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, param, "tools_not_certified")
+    assert "certificate" in err.message
+
+
+def test_no_tools_and_tool_choice_none_are_plain_requests():
+    assert ask({"tools": [], "tool_choice": "none"}).max_tokens == 32
+    assert api_error('{"model": "m", "messages": [{"role": "user"}]}').param == "messages.0"
+
+
 def test_vote_takes_the_first_majority_sample():
     texts = ["so \\boxed{3}", "\\boxed{4}", "The answer is 4", "\\boxed{3}", "no idea"]
     # 3 and 4 both have 2 of 5 votes: the first seen wins; raw = 1 - 2/5.

@@ -356,6 +356,7 @@ def evaluate(
     max_tokens: int | None = None,
     seed: int = 0,
     backend: str = "vllm",
+    use_env: bool = True,
     out: str | Path | None = None,
 ) -> dict[str, Any]:
     """Accuracy, unbiased pass@k, mean length and truncated share of a checkpoint, as
@@ -370,6 +371,8 @@ def evaluate(
         n: samples per problem, at `temperature` and `top_p`, from `seed` on.
         max_tokens: the longest answer (default: the config's generation.max_tokens).
         backend: "vllm", or "hf" (transformers).
+        use_env: play the run's tools or environment (its `env` section) as training does;
+            False scores single-turn answers with the verifier.
         out: the output folder (default `<run>/eval-<checkpoint>`).
 
     Returns:
@@ -388,6 +391,7 @@ def evaluate(
         config=config,
         out=None if out is None else str(out),
         backend=backend,
+        use_env=use_env,
         **sampling,
     )
     return {"out": str(target), **summary}

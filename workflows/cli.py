@@ -204,10 +204,20 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
         backend=args.backend,
+        use_env=not args.no_env,
         out=args.out,
     )
-    keys = ("out", "problems", "accuracy", "pass_at_k", "mean_length", "truncated_frac")
-    print(json.dumps({k: summary[k] for k in keys}, indent=2))
+    keys = (
+        "out",
+        "problems",
+        "accuracy",
+        "pass_at_k",
+        "mean_length",
+        "truncated_frac",
+        "env",
+        "agent",
+    )
+    print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=2))
     return 0
 
 
@@ -377,6 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--max-tokens", type=int, help="default: the config's generation.max_tokens")
     ge.add_argument("--seed", type=int, default=0, help="base sampling seed")
     ge.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    ge.add_argument(
+        "--no-env",
+        action="store_true",
+        help="single-turn, without the run's tools or environment (its env section)",
+    )
     ge.add_argument("--out", help="output folder (default: <run>/eval-<checkpoint>)")
     ge.set_defaults(fn=cmd_evaluate)
 

@@ -160,6 +160,7 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
             seed=cfg.run.seed,
             cpu_threads=torch_threads(cfg, cfg.resources.generator_engines),
             enforce_eager=g.enforce_eager,
+            engine_loop=g.engine_loop,
         )
         if cfg.resources.generator_tp > 1:
             kw["tensor_parallel_size"] = cfg.resources.generator_tp

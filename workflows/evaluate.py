@@ -4,6 +4,8 @@ n seeded samples per problem from the checkpoint (a run directory, a step checkp
 directory or an adapter), each scored by the verifier: accuracy (the mean over all samples, the
 unbiased pass@1), unbiased pass@k (Chen et al. 2021, arXiv:2107.03374, Eq. 1) for each k <= n,
 mean response length and the share cut at max_tokens; per-item records as JSON lines and a PNG.
+A run with an `env` section is evaluated with its tools or environment (multi-turn, the
+environment's reward where it gives one, as in training) unless told not to.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import numpy as np
 from rlvr.algorithms.pass_at_k import pass_at_k
 from rlvr.answers import extract_answer
 from rlvr.config import Config, ConfigError
+from rlvr.envs.rollout import AGENT_FLAGS, AgentRequest, Agents, EnvSettings
 from rlvr.generation import make_backend
-from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from rlvr.run.metrics import agent_stats
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
 from rlvr.verifiers.factory import make_verifier
@@ -77,27 +81,49 @@ def evaluate(
     backend_kwargs: dict[str, Any],
     verifier: dict[str, Any] | None = None,
     verifier_timeout_s: float = 5.0,
+    env: EnvSettings | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(summary, per-item records) of `model_dir` on `problems`, scored by the verifier that
-    `make_verifier(**verifier)` builds (kind, function, rewards; default math)."""
+    `make_verifier(**verifier)` builds (kind, function, rewards; default math); with `env`,
+    multi-turn in that environment, whose own reward replaces the verifier's where it gives one."""
     engine = make_backend(backend, model_dir, **backend_kwargs)
     try:
-        prompts = [render_prompt(engine.tokenizer, p, instruction, chat_template) for p in problems]
         params = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_tokens)
-        requests = [
-            GenerationRequest(ids, sampling.n, p.id, sampling.seed + SEED_STRIDE * i)
-            for i, (p, ids) in enumerate(zip(problems, prompts, strict=True))
-        ]
-        results = engine.generate(requests, params)
+        seeds = [sampling.seed + SEED_STRIDE * i for i in range(len(problems))]
+        if env is not None:
+            agents = [
+                AgentRequest(p, sampling.n, seed, p.id)
+                for p, seed in zip(problems, seeds, strict=True)
+            ]
+            max_model_len = backend_kwargs.get("max_model_len")
+            results = Agents(env, engine.tokenizer).generate(engine, agents, params, max_model_len)
+        else:
+            results = engine.generate(
+                [
+                    GenerationRequest(
+                        render_prompt(engine.tokenizer, p, instruction, chat_template),
+                        sampling.n,
+                        p.id,
+                        seed,
+                    )
+                    for p, seed in zip(problems, seeds, strict=True)
+                ],
+                params,
+            )
     finally:
         engine.close()
-    texts = [s.text for r in results for s in r.samples]
-    golds = [p.answer for p in problems for _ in range(sampling.n)]
-    prompt_texts = [p.prompt for p in problems for _ in range(sampling.n)]
-    metadata = [dict(p.metadata) for p in problems for _ in range(sampling.n)]
-    with make_verifier(**(verifier or {}), timeout=verifier_timeout_s) as scorer:
-        verdicts = scorer.verify_batch(texts, golds, prompts=prompt_texts, metadata=metadata)
+    verdicts = score(results, problems, sampling.n, verifier, verifier_timeout_s)
     items, correct, lengths, cut = [], [], [], []
+    if env is not None:  # one result per trajectory: regroup them by problem
+        n = sampling.n
+        results = [
+            GenerationResult(
+                p.id,
+                results[i * n].prompt_ids,
+                [r.samples[0] for r in results[i * n : (i + 1) * n]],
+            )
+            for i, p in enumerate(problems)
+        ]
     for i, (problem, result) in enumerate(zip(problems, results, strict=True)):
         mine = verdicts[i * sampling.n : (i + 1) * sampling.n]
         correct.append([v[0] >= 1.0 for v in mine])
@@ -116,11 +142,39 @@ def evaluate(
                         "length": len(s.token_ids),
                         "finish_reason": s.finish_reason,
                     }
+                    | ({AGENT_FLAGS: s.flags[AGENT_FLAGS]} if AGENT_FLAGS in s.flags else {})
                     for s, (_, status, *_) in zip(result.samples, mine, strict=True)
                 ],
             }
         )
-    return summarise(correct, lengths, cut), items
+    summary = summarise(correct, lengths, cut)
+    if env is not None:
+        summary["agent"] = agent_stats([s.flags for r in results for s in r.samples])
+    return summary, items
+
+
+def score(
+    results: list[GenerationResult],
+    problems: list[Problem],
+    n: int,
+    verifier: dict[str, Any] | None,
+    timeout_s: float,
+) -> list[tuple]:
+    """Each sample's verdict (reward, status, ...) in result order; a multi-turn environment's
+    reward, where it gave one, replaces the verifier's (status "environment")."""
+    samples = [s for r in results for s in r.samples]
+    golds = [p.answer for p in problems for _ in range(n)]
+    prompt_texts = [p.prompt for p in problems for _ in range(n)]
+    metadata = [dict(p.metadata) for p in problems for _ in range(n)]
+    with make_verifier(**(verifier or {}), timeout=timeout_s) as scorer:
+        verdicts = scorer.verify_batch(
+            [s.text for s in samples], golds, prompts=prompt_texts, metadata=metadata
+        )
+    for i, sample in enumerate(samples):
+        reward = sample.flags.get(AGENT_FLAGS, {}).get("env_reward")
+        if reward is not None:
+            verdicts[i] = (reward, "environment", *verdicts[i][2:])
+    return verdicts
 
 
 def plot(summary: dict[str, Any], items: list[dict[str, Any]], out: Path) -> Path:
@@ -159,6 +213,7 @@ def run_evaluate(
     config: Config | str | None = None,
     out: str | None = None,
     backend: str = "vllm",
+    use_env: bool = True,
     **sampling: Any,
 ) -> tuple[Path, dict[str, Any]]:
     """The `rlvr evaluate` command: resolve the checkpoint, the problems (`data`: a preset's
@@ -191,7 +246,11 @@ def run_evaluate(
             "max_model_len": g.max_model_len,
             "kv_cache_gib": g.kv_cache_gib,
             "enforce_eager": g.enforce_eager,
+            "engine_loop": g.engine_loop,
         }
+    env = None
+    if use_env and cfg.env.multi_turn:
+        env = cfg.env.settings(instruction, cfg.verifier.unsafe_hook_sandbox)
     log.info("evaluating %s on %d problems, %d samples each", model_dir, len(problems), settings.n)
     summary, items = evaluate(
         model_dir,
@@ -203,11 +262,13 @@ def run_evaluate(
         backend_kwargs=kwargs,
         verifier=cfg.verifier.verifier_kwargs(),
         verifier_timeout_s=cfg.verifier.timeout_s,
+        env=env,
     )
     summary |= {
         "checkpoint": checkpoint,
         "data": data or "the run's held-out split",
         "sampling": asdict(settings),
+        "env": cfg.env.kind if env is not None else "none",
     }
     target = Path(out) if out else (run_dir or model_dir) / f"eval-{path.name}"
     target.mkdir(parents=True, exist_ok=True)

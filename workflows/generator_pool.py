@@ -3,6 +3,8 @@
 A step's requests go to the engines in contiguous, work-balanced shards and come back merged in
 request order. Every seed a rollout uses follows from its step-wide position (each request's own
 seed, DUET's coin rows through `first_row`), so M engines write exactly the rollouts of one.
+Multi-turn trajectories are sharded the same way; each carries its own seed, from which every
+turn's follows (`rlvr.generation.trajectories.turn_seed`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any
 
 import ray
 
+from rlvr.envs.rollout import AgentRequest, EnvSettings
 from rlvr.generation.base import GenerationRequest, GenerationResult, SamplingParams
+from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 from workflows.workers import FanOut, Worker
 
 
@@ -61,6 +65,8 @@ class GeneratorPool:
         """What the engines have freed and not taken back ("weights", "kv_cache")."""
         self._methods: dict[str, Callable[..., FanOut]] = {
             "generate": self._generate,
+            "generate_trajectories": self._generate_trajectories,
+            "generate_agents": self._generate_agents,
             "score_logprobs": self._score_logprobs,
             "update_weights": self._update_weights,
             "stats": self._stats,
@@ -95,6 +101,31 @@ class GeneratorPool:
     ) -> list[GenerationResult]:
         """Results in request order, the requests split over the engines."""
         return self.run("generate", requests, params, duet_stop=duet_stop, tandem=tandem, step=step)
+
+    def generate_trajectories(
+        self,
+        trajectories: Sequence[Trajectory],
+        params: SamplingParams,
+        limits: TrajectoryLimits | None = None,
+        tandem: bool = False,
+        step: int | None = None,
+    ) -> list[TrajectoryResult]:
+        """Multi-turn results in trajectory order, the trajectories split over the engines."""
+        return self.run(
+            "generate_trajectories", trajectories, params, limits, tandem=tandem, step=step
+        )
+
+    def generate_agents(
+        self,
+        requests: Sequence[AgentRequest],
+        params: SamplingParams,
+        env: EnvSettings,
+        step: int | None = None,
+    ) -> list[GenerationResult]:
+        """Multi-turn rollouts in an environment, one result per trajectory in request order, the
+        requests split over the engines (each trajectory's seed is its request's, so the split
+        changes no token)."""
+        return self.run("generate_agents", requests, params, env, step=step)
 
     def score_logprobs(
         self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]
@@ -147,6 +178,55 @@ class GeneratorPool:
                 )
                 parts.append((self.workers[i], future))
             row += sum(r.n for r in chunk)
+        return FanOut(parts, _concat)
+
+    def _generate_trajectories(
+        self,
+        trajectories: Sequence[Trajectory],
+        params: SamplingParams,
+        limits: TrajectoryLimits | None = None,
+        tandem: bool = False,
+    ) -> FanOut:
+        """Shards balanced on estimated work: first prompt + max_tokens per allowed turn."""
+        turns = 1 if limits is None or limits.max_turns is None else limits.max_turns
+        costs = [len(t.prompt_ids) + params.max_tokens * turns for t in trajectories]
+        parts = [
+            (
+                self.workers[i],
+                self.workers[i].call(
+                    "generate_trajectories",
+                    trajectories[shard],
+                    params,
+                    limits,
+                    tandem=tandem,
+                    weight_version=self.weight_version,
+                ),
+            )
+            for i, shard in enumerate(contiguous_shards(costs, len(self.workers)))
+            if shard.stop > shard.start
+        ]
+        return FanOut(parts, _concat)
+
+    def _generate_agents(
+        self, requests: Sequence[AgentRequest], params: SamplingParams, env: EnvSettings
+    ) -> FanOut:
+        """Shards balanced on n x max_tokens per allowed turn (prompts are rendered where the
+        environments run)."""
+        costs = [r.n * params.max_tokens * env.max_turns for r in requests]
+        parts = [
+            (
+                self.workers[i],
+                self.workers[i].call(
+                    "generate_agents",
+                    requests[shard],
+                    params,
+                    env,
+                    weight_version=self.weight_version,
+                ),
+            )
+            for i, shard in enumerate(contiguous_shards(costs, len(self.workers)))
+            if shard.stop > shard.start
+        ]
         return FanOut(parts, _concat)
 
     def _score_logprobs(

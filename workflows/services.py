@@ -18,6 +18,7 @@ import ray
 from actors.controller import NAMESPACE
 from actors.reference import ReferenceActor
 from rlvr.config import Config
+from rlvr.envs.rollout import AGENT_FLAGS, AgentRequest
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.methods.base import ReferenceModel
 from rlvr.tasks.base import Problem
@@ -141,11 +142,22 @@ class RunServices:
             )
             for i, p in enumerate(problems)
         ]
+        golds = {p.id: p.answer for p in problems}
+        if self.cfg.env.multi_turn:
+            agents = [
+                AgentRequest(p, r.n, r.seed, r.request_id)
+                for p, r in zip(problems, requests, strict=True)
+            ]
+            env = self.cfg.env.settings(
+                self.cfg.task.instruction, self.cfg.verifier.unsafe_hook_sandbox
+            )
+            results = self.comps.generator.generate_agents(agents, params, env, step=step)
+            return Rollouts.from_results(results, golds)
         extra: dict[str, Any] = {"duet_stop": duet_stop} if duet_stop is not None else {}
         if tandem:
             extra["tandem"] = True
         results = self.comps.generator.generate(requests, params, step=step, **extra)
-        return Rollouts.from_results(results, {p.id: p.answer for p in problems})
+        return Rollouts.from_results(results, golds)
 
     def verify(self, rollouts: Rollouts) -> None:
         context = {}
@@ -158,6 +170,11 @@ class RunServices:
         scored = self.comps.verifier.score(rollouts.texts, rollouts.golds, **context)
         rollouts.rewards = np.array([s[0] for s in scored], dtype=np.float64)
         rollouts.statuses = [s[1] for s in scored]
+        # a multi-turn environment's own reward, where it gave one, replaces the verifier's
+        for i, flags in enumerate(rollouts.flags):
+            reward = flags.get(AGENT_FLAGS, {}).get("env_reward")
+            if reward is not None:
+                rollouts.rewards[i], rollouts.statuses[i] = reward, "environment"
         if self.cfg.verifier.rewards:
             rollouts.reward_parts = [s[2] if len(s) > 2 else {} for s in scored]
 

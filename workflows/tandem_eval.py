@@ -423,6 +423,7 @@ def run_tandem_eval(
             max_model_len=g.max_model_len,
             kv_cache_gib=g.kv_cache_gib,
             enforce_eager=g.enforce_eager,
+            engine_loop=g.engine_loop,
         )
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = 0.4  # two engines share the device

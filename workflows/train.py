@@ -323,6 +323,11 @@ def warmed_model(cfg: Config, model_dir: Path, train_problems: list[Problem]) ->
         batch_size=m.sft_warmup_batch_size,
         instruction=cfg.task.instruction,
         chat_template=cfg.task.chat_template,
+        tool_traces=(
+            cfg.env.settings(cfg.task.instruction, cfg.verifier.unsafe_hook_sandbox)
+            if m.sft_warmup_traces == "tool_calls"
+            else None
+        ),
     )
 
 

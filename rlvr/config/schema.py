@@ -40,6 +40,7 @@ from rlvr.config.core import (
     vllm_on_cpu,
 )
 from rlvr.envs.hosted import check_environment_class
+from rlvr.envs.rollout import EnvSettings
 from rlvr.envs.tools import load_tools
 from rlvr.generation.base import SamplingParams
 from rlvr.tasks.prompts import PROMPT_SLOT
@@ -133,6 +134,12 @@ class ModelConfig(Section):
         description="Training problems the warm-up draws from (None: task.n_train), so RL can "
         "keep a small recurring prompt pool while the warm-up sees many.",
     )
+    sft_warmup_traces: Literal["solutions", "tool_calls"] = Field(
+        "solutions",
+        description="What the warm-up imitates: the reference solutions, or (env.kind 'tools') "
+        "traces that call the calculator and then answer, rendered as rollouts render them "
+        "(rlvr/envs/traces.py).",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
 
@@ -146,6 +153,9 @@ class DifficultyConfig(Section):
         2, ge=1, description="Most operations per problem (arithmetic; code: up to 3)."
     )
     max_operand: int = Field(20, ge=1, description="Largest operand.")
+    max_multiplier: int = Field(
+        5, ge=2, description="Largest factor of a product (arithmetic; also <= max_operand)."
+    )
     operators: str = Field("+-", min_length=1, description="Allowed operators, a subset of '+-*'.")
     style: Literal["expression", "words", "mixed"] = Field(
         "expression", description="Plain expressions or word problems."
@@ -255,8 +265,10 @@ class TaskConfig(Section):
         """The task's settings for cache keys; an empty field map and the default reasoning are
         left out, so keys made before task.fields / difficulty.reasoning existed still match."""
         exclude: dict[str, Any] = {} if self.fields.mapping() else {"fields": True}
-        if self.difficulty.reasoning == "short":
-            exclude["difficulty"] = {"reasoning"}  # likewise for keys made before reasoning
+        defaults = {"reasoning": "short", "max_multiplier": 5}
+        unchanged = {k for k, v in defaults.items() if getattr(self.difficulty, k) == v}
+        if unchanged:
+            exclude["difficulty"] = unchanged  # likewise for keys made before these fields
         return self.model_dump(mode="json", exclude=exclude or None)
 
 
@@ -292,6 +304,14 @@ class GenerationConfig(Section):
     )
     enforce_eager: bool = Field(
         False, description="Skip vLLM's torch.compile: starts faster, decodes slower."
+    )
+    engine_loop: Literal["requests", "batch"] = Field(
+        "requests",
+        description=(
+            "How vLLM engines sample: 'requests' drives the engine request by request "
+            "(continuous batching, as multi-turn rollouts need); 'batch' hands a step's samples "
+            "to one lock-step LLM.generate call. Both sample the same tokens for the same seeds."
+        ),
     )
     eval_samples: int = Field(1, gt=0, description="Samples per held-out problem (mean@k).")
     eval_temperature: float = Field(0.0, ge=0.0, description="Temperature for held-out evaluation.")
@@ -930,6 +950,24 @@ class EnvConfig(Section):
     def multi_turn(self) -> bool:
         return self.kind != "none"
 
+    def settings(self, instruction: str, unsafe_hook: bool) -> EnvSettings:
+        """The section as the engines' processes take it (`rlvr.envs.rollout.EnvSettings`)."""
+        return EnvSettings(
+            kind=self.kind,
+            tools=tuple(self.tools),
+            env_class=self.env_class,
+            kwargs=dict(self.kwargs),
+            parser=self.parser,
+            max_turns=self.max_turns,
+            max_tool_calls=self.max_tool_calls,
+            token_budget=self.token_budget,
+            tool_timeout_s=self.tool_timeout_s,
+            tool_memory_mb=self.tool_memory_mb,
+            env_timeout_s=self.env_timeout_s,
+            instruction=instruction,
+            unsafe_hook=unsafe_hook,
+        )
+
 
 class RunConfig(Section):
     name: str = Field(
@@ -1049,6 +1087,11 @@ class Config(Section):
         if self.env.multi_turn and spec.single_turn:
             raise ValueError(
                 f"env.kind: {self.algorithm.name} runs single-turn rollouts only: {spec.single_turn}"
+            )
+        if self.model.sft_warmup_traces == "tool_calls" and self.env.kind != "tools":
+            raise ValueError(
+                "model.sft_warmup_traces: tool_calls traces call a tool of env.tools; "
+                f"set env.kind: tools (it is {self.env.kind!r})"
             )
         if spec.check is not None:
             spec.check(self)

@@ -114,6 +114,11 @@ class ToolCallParser:
             '<tool_call>\n{"name": "<tool name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
         )
 
+    def write_call(self, name: str, arguments: dict[str, Any]) -> str:
+        """One call as the model writes it (what `parse` reads back), for warm-up traces."""
+        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        return f"<tool_call>\n{call}\n</tool_call>"
+
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
         """The tools announced to a model whose template does not render `tools=`."""
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
@@ -180,6 +185,9 @@ class JsonParser(ToolCallParser):
 
     name = "json"
     _LOOKS_LIKE_CALL = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')
+
+    def write_call(self, name: str, arguments: dict[str, Any]) -> str:
+        return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
 
     def parse(self, text: str) -> ParsedMessage:
         if not self._LOOKS_LIKE_CALL.match(text):

@@ -2,18 +2,24 @@
 
 Backends (vLLM, transformers) take prompt token ids and return sampled token ids with their
 log-probs; per-sample stop rules (DUET's marker-gated abort) plug in through `StopRule`.
+Multi-turn rollouts (`rlvr.generation.trajectories.TrajectoryBackend`) build on these types.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from rlvr.algorithms.tandem import WordSwitchSchedule
+
+EngineLoop = Literal["requests", "batch"]
+"""How vLLM samples a `generate` call: "requests" runs every sample as its own request through
+the engine loop (`rlvr.generation.engine_loop`, continuous batching, the path multi-turn rollouts
+take); "batch" hands them all to one `vllm.LLM.generate` call. Both sample the same tokens."""
 
 
 @dataclass(frozen=True)
@@ -87,13 +93,17 @@ class Sample:
     """Log-prob of each sampled token under the distribution it was drawn from: softmax(logits / T)
     renormalised over the top-p nucleus (log_softmax of the raw logits when greedy); a token a
     stop rule forced has log-prob 0. Both backends return this; the trainer's engine importance
-    correction compares it with its own log-probs at T (without top-p, as verl and TRL)."""
+    correction compares it with its own log-probs renormalised over the same nucleus
+    (`rlvr.algorithms.nucleus`), so that equal weights give a ratio of 1."""
     finish_reason: str
     """'stop' (EOS, stop string or stop rule), 'length' (max_tokens), or 'abort'."""
     flags: dict[str, Any] = field(default_factory=dict)
     authorship: list[int] | None = None
     """Tandem rollouts only: the author of each token (1 = senior, 0 = junior), same length as
     `token_ids`; the schedule's counters are in `flags["tandem"]`."""
+    model_tokens: list[bool] | None = None
+    """Multi-turn rollouts only: whether the model sampled each token (False on what an
+    environment answered between its turns), same length as `token_ids`."""
 
 
 @dataclass

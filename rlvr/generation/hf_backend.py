@@ -1,12 +1,14 @@
 """transformers generation backend: the fallback engine and the reference the vLLM backend is tested against.
 
 A manual sampling loop over a left-padded batch with a KV cache, sampling exactly like vLLM's
-(temperature, then top-p, per-sample seeded generators), with the same stop-rule hook.
+(temperature, then top-p, per-sample seeded generators), with the same stop-rule hook. Multi-turn
+rollouts run on the same engine loop as vLLM's (`rlvr.generation.engine_loop`), in rounds: every
+trajectory's next turn is sampled in one batch once all their callbacks have answered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -21,24 +23,29 @@ from rlvr.generation.base import (
     SamplingParams,
     StopRuleFactory,
     cut_at_stop,
-    sample_seed,
     scored_positions,
 )
-from rlvr.generation.stop_rules import StopRuleTracker
-from rlvr.generation.tandem_support import (
-    AuthorTracker,
-    check_same_tokenizer,
-    draw_tokens,
-    tandem_seed,
+from rlvr.generation.engine_loop import (
+    FinishedTurn,
+    TurnHooks,
+    TurnRequest,
+    check_tandem,
+    grouped_samples,
+    iter_trajectories,
+    ordered,
+    run_trajectories,
+    sample_trajectories,
 )
+from rlvr.generation.tandem_support import check_same_tokenizer, draw_tokens
+from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 
 GREEDY_EPS = 1e-5
 """Temperatures below this decode greedily (vLLM's threshold)."""
 
 _DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16}
 
-_Job = tuple[list[int], int | None, StopRuleTracker | None, AuthorTracker | None]
-"""One sample to generate: prompt ids, seed, stop-rule tracker, tandem author tracker."""
+_Job = tuple[list[int], int, TurnHooks]
+"""One sample to generate: prompt ids, its max_tokens, its seed and trackers."""
 
 
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -151,38 +158,41 @@ class HFBackend:
     ) -> list[GenerationResult]:
         """Sample `n` responses per request (sample j seeded params.seed + j); `schedule`
         co-writes every sample with the junior (a Tandem rollout)."""
+        self._check(params, schedule, stop_rule_factory is not None)
+        trajectories = sample_trajectories(requests, params, stop_rule_factory)
+        results = run_trajectories(_RoundTurns(self, params, schedule), trajectories, params)
+        return grouped_samples(requests, results)
+
+    def generate_trajectories(
+        self,
+        trajectories: Sequence[Trajectory],
+        params: SamplingParams,
+        limits: TrajectoryLimits | None = None,
+        schedule: WordSwitchSchedule | None = None,
+    ) -> list[TrajectoryResult]:
+        """Multi-turn rollouts as `VLLMBackend.generate_trajectories` runs them, in rounds; the
+        context limit is the model's max_position_embeddings (or `limits.max_context`)."""
+        return ordered(
+            self.iter_trajectories(trajectories, params, limits, schedule), len(trajectories)
+        )
+
+    def iter_trajectories(
+        self,
+        trajectories: Sequence[Trajectory],
+        params: SamplingParams,
+        limits: TrajectoryLimits | None = None,
+        schedule: WordSwitchSchedule | None = None,
+    ) -> Iterator[tuple[int, TrajectoryResult]]:
+        """`generate_trajectories` yielding (index, result) as each trajectory ends."""
+        self._check(params, schedule, any(t.stop_rule for t in trajectories))
+        return iter_trajectories(_RoundTurns(self, params, schedule), trajectories, params, limits)
+
+    def _check(
+        self, params: SamplingParams, schedule: WordSwitchSchedule | None, stop_rules: bool
+    ) -> None:
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if schedule is not None and self.junior is None:
-            raise ValueError("tandem generation needs a junior: start the backend with junior_path")
-        jobs: list[_Job] = []
-        for i, request in enumerate(requests):
-            if request.n < 0:
-                raise ValueError(f"request {request.request_id!r}: n must be >= 0, got {request.n}")
-            for j in range(request.n):
-                tracker = None
-                if stop_rule_factory is not None:
-                    tracker = StopRuleTracker(stop_rule_factory(i, j), self.eos_token_id)
-                seed = sample_seed(request, params, j)
-                author = None
-                if schedule is not None:
-                    seed = tandem_seed(seed)
-                    author = AuthorTracker(schedule, seed, params.temperature, params.top_p)
-                jobs.append((list(request.prompt_ids), seed, tracker, author))
-        samples: list[Sample] = []
-        for start in range(0, len(jobs), self.max_batch_size):
-            samples.extend(self._generate_batch(jobs[start : start + self.max_batch_size], params))
-        results = []
-        flat = iter(samples)
-        for request in requests:
-            results.append(
-                GenerationResult(
-                    request_id=request.request_id,
-                    prompt_ids=list(request.prompt_ids),
-                    samples=[next(flat) for _ in range(request.n)],
-                )
-            )
-        return results
+        check_tandem(schedule, self.junior is not None, stop_rules)
 
     @torch.inference_mode()
     def _generate_batch(self, jobs: list[_Job], params: SamplingParams) -> list[Sample]:
@@ -198,10 +208,10 @@ class HFBackend:
         # Left padding shifts the prompts; positions must count real tokens only.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         generators = [
-            None if seed is None else torch.Generator(self.device).manual_seed(seed)
-            for _, seed, _, _ in jobs
+            None if hooks.seed is None else torch.Generator(self.device).manual_seed(hooks.seed)
+            for _, _, hooks in jobs
         ]
-        authors = [job[3] for job in jobs]
+        authors = [hooks.author for _, _, hooks in jobs]
         tandem = authors[0] is not None
         models = [self.model, self.junior] if tandem else [self.model]
         responses: list[list[int]] = [[] for _ in jobs]
@@ -231,7 +241,7 @@ class HFBackend:
                     if authors[job].observe(responses[job]) == JUNIOR:
                         logits[row] = all_logits[1][row]
             for row, job in enumerate(active):
-                tracker = jobs[job][2]
+                tracker = jobs[job][2].tracker
                 if tracker is not None and tracker.observe(responses[job]):
                     logits[row] = float("-inf")
                     logits[row, self.eos_token_id] = 0.0
@@ -252,7 +262,7 @@ class HFBackend:
                 logprobs[job].append(logprob)
                 if token in self.stop_token_ids or self._ends_in_stop(responses[job], params.stop):
                     finish[job] = "stop"
-                elif len(responses[job]) < params.max_tokens:
+                elif len(responses[job]) < jobs[job][1]:
                     keep.append(row)
             if len(keep) < len(active):
                 if not keep:
@@ -270,12 +280,8 @@ class HFBackend:
             step_positions = step_positions[:, -1:] + 1
             step_ids = tokens.unsqueeze(1)
         samples = []
-        for job, (_, _, tracker, author) in enumerate(jobs):
-            flags = tracker.flags() if tracker is not None else {}
-            authorship = None
-            if author is not None:
-                authorship = author.finish(responses[job])
-                flags.update(author.flags())
+        for job, (_, _, hooks) in enumerate(jobs):
+            flags, authorship = hooks.finish(responses[job])
             samples.append(
                 Sample(
                     token_ids=responses[job],
@@ -368,3 +374,43 @@ class HFBackend:
     def close(self) -> None:
         """Drop the model so its memory can be freed."""
         self.model = None
+
+
+class _RoundTurns:
+    """`TurnEngine` over an HFBackend: the turns submitted since the last round are sampled
+    together, in the order submitted, in batches of at most `max_batch_size`."""
+
+    rounds = True
+
+    def __init__(
+        self, backend: HFBackend, params: SamplingParams, schedule: WordSwitchSchedule | None
+    ) -> None:
+        self.backend = backend
+        self.params = params
+        self.schedule = schedule
+        config = backend.model.config.get_text_config()
+        self.context_limit: int = config.max_position_embeddings
+        self.vocab_size: int = config.vocab_size
+        self._submitted: list[tuple[int, _Job]] = []
+
+    def submit(self, key: int, request: TurnRequest) -> None:
+        hooks = TurnHooks.make(request, self.backend.eos_token_id, self.params, self.schedule)
+        self._submitted.append((key, (request.prompt_ids, request.max_tokens, hooks)))
+
+    def poll(self) -> list[FinishedTurn]:
+        submitted, self._submitted = self._submitted, []
+        size = self.backend.max_batch_size
+        finished = []
+        for start in range(0, len(submitted), size):
+            chunk = submitted[start : start + size]
+            samples = self.backend._generate_batch([job for _, job in chunk], self.params)
+            finished += [
+                FinishedTurn(key, sample) for (key, _), sample in zip(chunk, samples, strict=True)
+            ]
+        return finished
+
+    def in_flight(self) -> int:
+        return len(self._submitted)
+
+    def abort(self) -> None:
+        self._submitted = []

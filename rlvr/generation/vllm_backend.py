@@ -2,14 +2,17 @@
 
 Per-sample stop rules (DUET's marker-gated abort, arXiv:2605.08441 Eq. 5) run inside the engine as
 a V1 logits processor that forces EOS, so a stopped sample costs only the tokens it produced.
+Samples and the turns of multi-turn rollouts are requests of vLLM's engine (`LLMEngine.add_request`
+/ `step`), added and finished one by one under `rlvr.generation.engine_loop`.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -24,12 +27,15 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.platforms import current_platform
+from vllm.renderers.inputs.preprocess import parse_model_prompt
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from rlvr.algorithms.tandem import WordSwitchSchedule
 from rlvr.generation import tandem_vllm
 from rlvr.generation.base import (
+    EngineLoop,
     GenerationRequest,
     GenerationResult,
     Sample,
@@ -39,9 +45,21 @@ from rlvr.generation.base import (
     sample_seed,
     scored_positions,
 )
+from rlvr.generation.engine_loop import (
+    FinishedTurn,
+    TurnHooks,
+    TurnRequest,
+    check_tandem,
+    grouped_samples,
+    iter_trajectories,
+    ordered,
+    run_trajectories,
+    sample_trajectories,
+)
 from rlvr.generation.hf_backend import checked_weights, hf_weight_names
 from rlvr.generation.stop_rules import StopRuleTracker
-from rlvr.generation.tandem_support import AuthorTracker, check_same_tokenizer, tandem_seed
+from rlvr.generation.tandem_support import check_same_tokenizer
+from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 from rlvr.generation.vllm_rows import RowTrackingLogitsProcessor, real_token_count
 
 _STOP_RULE_KEY = "rlvr_stop_rule"
@@ -118,6 +136,117 @@ def _refresh_embedding_gemms(model: torch.nn.Module) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+class _RequestHooks:
+    """One vLLM request's `TurnHooks`, registered where this process's logits processors look
+    them up (its extra_args carry their keys) until `release`."""
+
+    def __init__(
+        self,
+        request: TurnRequest,
+        eos_token_id: int,
+        params: SamplingParams,
+        schedule: WordSwitchSchedule | None,
+    ) -> None:
+        self.turn = TurnHooks.make(request, eos_token_id, params, schedule)
+        self.extra_args: dict[str, str] = {}
+        self._keys: list[tuple[dict[str, Any], str]] = []
+        if self.turn.tracker is not None:
+            self._register(_ACTIVE_TRACKERS, _STOP_RULE_KEY, self.turn.tracker)
+        if self.turn.author is not None:
+            self._register(tandem_vllm.ACTIVE_AUTHORS, tandem_vllm.AUTHOR_KEY, self.turn.author)
+
+    def _register(self, registry: dict[str, Any], arg: str, entry: Any) -> None:
+        key = uuid.uuid4().hex
+        registry[key] = entry
+        self._keys.append((registry, key))
+        self.extra_args[arg] = key
+
+    def sampling_params(self, params: SamplingParams, max_tokens: int) -> VLLMSamplingParams:
+        """The request's vLLM sampling settings: one sample, its own seed and hooks, the sampled
+        distribution's log-prob of each token, the final output only."""
+        return VLLMSamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=max_tokens,
+            seed=self.turn.seed,
+            logprobs=0,
+            stop=list(params.stop) or None,
+            # vLLM matches stop strings on its own detokenized text
+            detokenize=bool(params.stop),
+            extra_args=self.extra_args or None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def release(self) -> None:
+        for registry, key in self._keys:
+            registry.pop(key, None)
+        self._keys = []
+
+
+class _RequestTurns:
+    """`TurnEngine` over a VLLMBackend's `LLMEngine`: a turn is added as a request the moment it
+    is submitted and comes back from the `step` that finishes it (continuous batching)."""
+
+    rounds = False
+
+    def __init__(
+        self, backend: VLLMBackend, params: SamplingParams, schedule: WordSwitchSchedule | None
+    ) -> None:
+        self.backend = backend
+        self.params = params
+        self.schedule = schedule
+        llm = backend.llm
+        self.engine = llm.llm_engine
+        self.renderer = llm.renderer
+        self.model_config = llm.model_config
+        self.context_limit: int = self.model_config.max_model_len
+        self.vocab_size: int = self.model_config.get_vocab_size()
+        self._live: dict[str, tuple[int, _RequestHooks]] = {}
+        """vLLM request id -> (the loop's key, the request's hooks)."""
+
+    def submit(self, key: int, request: TurnRequest) -> None:
+        hooks = _RequestHooks(request, self.backend.eos_token_id, self.params, self.schedule)
+        prompt = parse_model_prompt(
+            self.model_config, TokensPrompt(prompt_token_ids=request.prompt_ids)
+        )
+        request_id = f"rlvr-{next(_REQUEST_IDS)}"
+        try:
+            # rendered as vllm.LLM.generate renders a prompt: the same request reaches the core
+            (engine_input,) = self.renderer.render_cmpl([prompt])
+            self.engine.add_request(
+                request_id, engine_input, hooks.sampling_params(self.params, request.max_tokens)
+            )
+        except BaseException:
+            hooks.release()
+            raise
+        self._live[request_id] = (key, hooks)
+
+    def poll(self) -> list[FinishedTurn]:
+        finished = []
+        for output in self.engine.step():
+            if not output.finished:
+                continue
+            key, hooks = self._live.pop(output.request_id)
+            hooks.release()
+            sample = self.backend._sample(output.outputs[0], hooks.turn, self.params)
+            finished.append(FinishedTurn(key, sample, output.num_cached_tokens or 0))
+        return finished
+
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    def abort(self) -> None:
+        if self._live:
+            self.engine.abort_request(list(self._live))
+        for _, hooks in self._live.values():
+            hooks.release()
+        self._live.clear()
+
+
+_REQUEST_IDS = itertools.count()
+"""Request ids of this process's engine loops (vLLM appends a random suffix of its own)."""
+
+
 class VLLMBackend:
     """`GenerationBackend` over vLLM's offline engine (`vllm.LLM`, V1).
 
@@ -131,7 +260,12 @@ class VLLMBackend:
 
     Each sample is its own vLLM request, so every sample gets its own seed (params.seed + j) and
     its own stop rule (vLLM's own n > 1 fan-out would deep-copy one rule key into every child);
-    prefix caching lets later samples reuse the prompt's full KV blocks once they are computed.
+    prefix caching lets later samples reuse the prompt's full KV blocks once they are computed,
+    and a multi-turn rollout's later turns reuse its earlier ones. With `engine_loop="requests"`
+    (the default) `generate` and `generate_trajectories` drive the engine request by request
+    (`rlvr.generation.engine_loop`); `"batch"` makes `generate` hand all samples to one
+    `vllm.LLM.generate` call, as it did before the loop existed. Single-turn, both add the same
+    requests in the same order and sample the same tokens, log-probs, finish reasons and flags.
     Log-probs come from `logprobs_mode="processed_logprobs"`: the distribution actually sampled
     from, after temperature and top-p (and a forced EOS, whose log-prob is therefore 0). For
     greedy decoding (temperature 0) they are log_softmax of the raw logits.
@@ -161,6 +295,7 @@ class VLLMBackend:
         enforce_eager: bool = False,
         cpu_threads: int | None = None,
         junior_path: str | Path | None = None,
+        engine_loop: EngineLoop = "requests",
         **engine_kwargs: Any,
     ) -> None:
         """Start the engine on an HF-format directory.
@@ -169,8 +304,12 @@ class VLLMBackend:
         VLLM_CPU_KVCACHE_SPACE sets on CPU); None lets vLLM size it (gpu_memory_utilization on
         GPUs). cpu_threads caps the cores vLLM's CPU kernels bind to (default: all of this
         process's cores). junior_path adds Tandem's frozen junior (its tokenizer must equal the
-        senior's). engine_kwargs go to `vllm.LLM` unchanged (e.g. tensor_parallel_size, max_num_seqs).
+        senior's). engine_loop: how `generate` drives the engine (`base.EngineLoop`).
+        engine_kwargs go to `vllm.LLM` unchanged (e.g. tensor_parallel_size, max_num_seqs).
         """
+        if engine_loop not in ("requests", "batch"):
+            raise ValueError(f"engine_loop must be 'requests' or 'batch', got {engine_loop!r}")
+        self.engine_loop: EngineLoop = engine_loop
         # vLLM freezes its environment once an engine of this process starts; this engine's own
         # settings below (its thread binding, for tensor parallelism) must be read afresh.
         vllm_envs.disable_envs_cache()
@@ -255,109 +394,114 @@ class VLLMBackend:
         params: SamplingParams,
         stop_rule_factory: StopRuleFactory | None = None,
         schedule: WordSwitchSchedule | None = None,
+        loop: EngineLoop | None = None,
     ) -> list[GenerationResult]:
         """Sample `n` responses per request; see the class docstring for seeds and log-probs.
 
         `schedule` co-writes every sample with the junior (a Tandem rollout; the backend must
-        have been started with `junior_path`); it does not combine with stop rules.
+        have been started with `junior_path`); it does not combine with stop rules. `loop`
+        overrides the backend's `engine_loop` for this call (both sample the same tokens).
         """
-        if schedule is not None:
-            if self.junior_path is None:
-                raise ValueError(
-                    "tandem generation needs a junior: start the backend with junior_path"
-                )
-            if stop_rule_factory is not None:
-                raise ValueError("stop rules and tandem generation cannot be combined")
+        check_tandem(schedule, self.junior_path is not None, stop_rule_factory is not None)
+        if (loop or self.engine_loop) == "batch":
+            return self._generate_batch(requests, params, stop_rule_factory, schedule)
+        trajectories = sample_trajectories(requests, params, stop_rule_factory)
+        results = run_trajectories(_RequestTurns(self, params, schedule), trajectories, params)
+        return grouped_samples(requests, results)
+
+    def generate_trajectories(
+        self,
+        trajectories: Sequence[Trajectory],
+        params: SamplingParams,
+        limits: TrajectoryLimits | None = None,
+        schedule: WordSwitchSchedule | None = None,
+    ) -> list[TrajectoryResult]:
+        """Multi-turn rollouts on the engine loop (`rlvr.generation.trajectories`): each turn is
+        a request of its own, added as soon as its prompt is ready; the context limit is the
+        engine's max_model_len (or `limits.max_context`, if smaller)."""
+        return ordered(
+            self.iter_trajectories(trajectories, params, limits, schedule), len(trajectories)
+        )
+
+    def iter_trajectories(
+        self,
+        trajectories: Sequence[Trajectory],
+        params: SamplingParams,
+        limits: TrajectoryLimits | None = None,
+        schedule: WordSwitchSchedule | None = None,
+    ) -> Iterator[tuple[int, TrajectoryResult]]:
+        """`generate_trajectories` yielding (index, result) as each trajectory ends."""
+        check_tandem(schedule, self.junior_path is not None, any(t.stop_rule for t in trajectories))
+        return iter_trajectories(
+            _RequestTurns(self, params, schedule), trajectories, params, limits
+        )
+
+    def _generate_batch(
+        self,
+        requests: Sequence[GenerationRequest],
+        params: SamplingParams,
+        stop_rule_factory: StopRuleFactory | None,
+        schedule: WordSwitchSchedule | None,
+    ) -> list[GenerationResult]:
+        """Every sample handed to one `vllm.LLM.generate` call (the lock-step batch path)."""
         prompts: list[TokensPrompt] = []
         sampling: list[VLLMSamplingParams] = []
-        trackers: list[StopRuleTracker | None] = []
-        authors: list[AuthorTracker | None] = []
-        registered: list[tuple[dict[str, Any], str]] = []
-
-        def register(registry: dict[str, Any], entry: Any) -> str:
-            key = uuid.uuid4().hex
-            registry[key] = entry
-            registered.append((registry, key))
-            return key
-
-        for i, request in enumerate(requests):
-            if request.n < 0:
-                raise ValueError(f"request {request.request_id!r}: n must be >= 0, got {request.n}")
-            for j in range(request.n):
-                extra_args: dict[str, Any] = {}
-                tracker = author = None
-                seed = sample_seed(request, params, j)
-                if stop_rule_factory is not None:
-                    tracker = StopRuleTracker(stop_rule_factory(i, j), self.eos_token_id)
-                    extra_args[_STOP_RULE_KEY] = register(_ACTIVE_TRACKERS, tracker)
-                if schedule is not None:
-                    seed = tandem_seed(seed)
-                    author = AuthorTracker(schedule, seed, params.temperature, params.top_p)
-                    extra_args[tandem_vllm.AUTHOR_KEY] = register(
-                        tandem_vllm.ACTIVE_AUTHORS, author
-                    )
-                trackers.append(tracker)
-                authors.append(author)
-                prompts.append(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
-                sampling.append(
-                    VLLMSamplingParams(
-                        temperature=params.temperature,
-                        top_p=params.top_p,
-                        max_tokens=params.max_tokens,
-                        seed=seed,
-                        logprobs=0,
-                        stop=list(params.stop) or None,
-                        # vLLM matches stop strings on its own detokenized text
-                        detokenize=bool(params.stop),
-                        extra_args=extra_args or None,
-                    )
-                )
+        hooks: list[_RequestHooks] = []
         try:
+            for i, request in enumerate(requests):
+                if request.n < 0:
+                    raise ValueError(
+                        f"request {request.request_id!r}: n must be >= 0, got {request.n}"
+                    )
+                for j in range(request.n):
+                    rule = None if stop_rule_factory is None else stop_rule_factory(i, j)
+                    turn = TurnRequest(
+                        list(request.prompt_ids),
+                        sample_seed(request, params, j),
+                        params.max_tokens,
+                        rule,
+                    )
+                    hooks.append(_RequestHooks(turn, self.eos_token_id, params, schedule))
+                    prompts.append(TokensPrompt(prompt_token_ids=turn.prompt_ids))
+                    sampling.append(hooks[-1].sampling_params(params, turn.max_tokens))
             outputs = self.llm.generate(prompts, sampling, use_tqdm=False) if prompts else []
         finally:
-            for registry, key in registered:
-                del registry[key]
-
-        results: list[GenerationResult] = []
-        flat = iter(zip(outputs, trackers, authors, strict=True))
-        for request in requests:
-            samples = []
-            for _ in range(request.n):
-                output, tracker, author = next(flat)
-                completion = output.outputs[0]
-                token_ids = list(completion.token_ids)
-                logprobs = [
-                    position[token].logprob
-                    for position, token in zip(completion.logprobs, token_ids, strict=True)
-                ]
-                flags = tracker.flags() if tracker is not None else {}
-                authorship = None
-                if author is not None:
-                    authorship = author.finish(token_ids)
-                    flags.update(author.flags())
-                    if author.logprobs:
-                        # the author tracker drew the tokens (CPU); vLLM saw them forced
-                        logprobs = author.logprobs
-                samples.append(
-                    Sample(
-                        token_ids=token_ids,
-                        text=cut_at_stop(
-                            self.tokenizer.decode(token_ids, skip_special_tokens=True), params.stop
-                        ),
-                        logprobs=logprobs,
-                        finish_reason=completion.finish_reason,
-                        flags=flags,
-                        authorship=authorship,
-                    )
-                )
-            results.append(
-                GenerationResult(
-                    request_id=request.request_id,
-                    prompt_ids=list(request.prompt_ids),
-                    samples=samples,
-                )
+            for hook in hooks:
+                hook.release()
+        samples = iter(
+            self._sample(output.outputs[0], hook.turn, params)
+            for output, hook in zip(outputs, hooks, strict=True)
+        )
+        return [
+            GenerationResult(
+                request_id=request.request_id,
+                prompt_ids=list(request.prompt_ids),
+                samples=[next(samples) for _ in range(request.n)],
             )
-        return results
+            for request in requests
+        ]
+
+    def _sample(self, completion: Any, hooks: TurnHooks, params: SamplingParams) -> Sample:
+        """A finished vLLM completion (`CompletionOutput`) as a `Sample`."""
+        token_ids = list(completion.token_ids)
+        logprobs = [
+            position[token].logprob
+            for position, token in zip(completion.logprobs, token_ids, strict=True)
+        ]
+        flags, authorship = hooks.finish(token_ids)
+        if hooks.author is not None and hooks.author.logprobs:
+            # the author tracker drew the tokens (CPU); vLLM saw them forced
+            logprobs = hooks.author.logprobs
+        return Sample(
+            token_ids=token_ids,
+            text=cut_at_stop(
+                self.tokenizer.decode(token_ids, skip_special_tokens=True), params.stop
+            ),
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            flags=flags,
+            authorship=authorship,
+        )
 
     def score_logprobs(
         self, sequences: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]

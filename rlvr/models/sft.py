@@ -6,6 +6,7 @@ Cached by a content hash of (model files, problems, hyperparameters): a repeat c
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ import torch
 from tqdm import tqdm
 
 from rlvr.answers import last_boxed
+from rlvr.envs.rollout import EnvSettings
+from rlvr.envs.traces import tool_call_examples
 from rlvr.models.tiny import publish_dir, staging_dir
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, render_prompt
@@ -63,8 +66,11 @@ def sft_warmup(
     batch_size: int = 16,
     instruction: str = DEFAULT_INSTRUCTION,
     chat_template: bool = True,
+    tool_traces: EnvSettings | None = None,
 ) -> Path:
-    """Fine-tune `model_dir` on `problems`' reference solutions; returns `out_dir`.
+    """Fine-tune `model_dir` on `problems`' reference solutions (or, with `tool_traces`, on
+    traces that call that environment's tool and then answer: `rlvr.envs.traces`); returns
+    `out_dir`.
 
     Plain torch AdamW on CPU, `steps` steps of `batch_size` problems drawn with `seed`, a short
     linear warm-up then linear decay of `lr`. Prompts are rendered as RL will render them
@@ -87,6 +93,8 @@ def sft_warmup(
         "instruction": instruction,
         "chat_template": chat_template,
     }
+    if tool_traces is not None:
+        params["tool_traces"] = dataclasses.asdict(tool_traces)
     fingerprint = _fingerprint(model_dir, problems, params)
     marker = out / MARKER
     if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
@@ -97,13 +105,16 @@ def sft_warmup(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    examples = [
-        (
-            render_prompt(tokenizer, p, instruction, chat_template),
-            tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [eos],
-        )
-        for p in problems
-    ]
+    if tool_traces is not None:
+        examples = tool_call_examples(tool_traces, tokenizer, problems)
+    else:
+        examples = [
+            (
+                render_prompt(tokenizer, p, instruction, chat_template),
+                tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [eos],
+            )
+            for p in problems
+        ]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.0, 1 - s / steps)

@@ -91,13 +91,17 @@ def load_run(run_dir: str | Path) -> RunView:
 
 
 def plot_overview(metrics: pd.DataFrame, evals: pd.DataFrame) -> Figure:
-    """2x2 figure: reward, accuracy (train and held-out), response length, stacked step-time split.
+    """2x2 figure: reward, accuracy (train and held-out), response length, stacked step-time split;
+    a multi-turn run's (agent_* metrics) has a third row: turns and tool calls per trajectory, and
+    the tool-error share beside the share of trajectories each end reason ended.
 
     Columns a frame lacks are left out, so a run with no steps yet gives empty panels, not an error.
     Built on `Figure` directly (no pyplot), so nothing stays registered in a global figure list.
     """
-    fig = Figure(figsize=(11, 7), layout="constrained")
-    (ax_reward, ax_acc), (ax_len, ax_time) = fig.subplots(2, 2)
+    agents = "agent_turns_mean" in metrics.columns
+    fig = Figure(figsize=(11, 10.5 if agents else 7), layout="constrained")
+    rows = fig.subplots(3 if agents else 2, 2)
+    (ax_reward, ax_acc), (ax_len, ax_time) = rows[:2]
 
     def line(ax: Any, df: pd.DataFrame, column: str, label: str, marker: str = ".") -> None:
         # markers keep a run's first step visible, when each line is a single point
@@ -125,7 +129,17 @@ def plot_overview(metrics: pd.DataFrame, evals: pd.DataFrame) -> Figure:
             bottom = bottom + seconds
     ax_time.set(title="step time split (s)", xlabel="step")
 
-    for ax in (ax_reward, ax_acc, ax_len, ax_time):
+    if agents:
+        ax_turns, ax_shares = rows[2]
+        line(ax_turns, metrics, "agent_turns_mean", "turns")
+        line(ax_turns, metrics, "agent_tool_calls_per_trajectory", "tool calls")
+        ax_turns.set(title="per trajectory", xlabel="step")
+        line(ax_shares, metrics, "agent_tool_error_share", "tool errors (of calls)")
+        for column in sorted(c for c in metrics.columns if c.startswith("agent_end_")):
+            line(ax_shares, metrics, column, f"ended: {column.removeprefix('agent_end_')}")
+        ax_shares.set(title="shares", xlabel="step", ylim=(0, 1.05))
+
+    for ax in fig.axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

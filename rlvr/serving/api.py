@@ -26,6 +26,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    model_validator,
 )
 
 from rlvr.algorithms.csa import Calibrator, majority_answer, make_grid
@@ -107,14 +108,24 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat turn; content is a string or a list of text parts."""
+    """One chat turn; content is a string or a list of text parts (absent only beside an
+    assistant's `tool_calls`, which `check_generation_request` refuses with the reason)."""
 
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    tool_calls: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (or an assistant's tool_calls)")
+        return self
 
     def text(self) -> str:
         """The content as one string."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -125,6 +136,9 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    """Read only to refuse: see `TOOLS_NOT_CERTIFIED`."""
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -246,6 +260,31 @@ class GenerationAsk:
     reference: str | None
 
 
+TOOLS_NOT_CERTIFIED = (
+    "tools are not served behind the CSA gate: its certificate bounds the error rate of the final "
+    "answers it releases (the majority of K samples, scored, decided and later verified), and a "
+    "tool call is not such an answer: the vote cannot pick it, a verifier cannot label it, and its "
+    "arguments could carry an answer past the gate. Send the conversation without tools, tool "
+    "messages or tool_calls; evaluate an agent with its tools by `rlvr evaluate`"
+)
+
+
+def _asks_for_tools(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The field of a chat request that asks for tool calling, or None."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    if req.tools:
+        return "tools"
+    if req.tool_choice not in (None, "none"):
+        return "tool_choice"
+    for i, message in enumerate(req.messages):
+        if message.role == "tool":
+            return f"messages.{i}.role"
+        if message.tool_calls:
+            return f"messages.{i}.tool_calls"
+    return None
+
+
 def check_generation_request(
     req: ChatCompletionRequest | CompletionRequest,
     served_model: str,
@@ -266,6 +305,9 @@ def check_generation_request(
             "stream=true is not supported: the release decision needs the whole answer",
             param="stream",
         )
+    tool_field = _asks_for_tools(req)
+    if tool_field is not None:
+        raise ApiError(400, TOOLS_NOT_CERTIFIED, param=tool_field, code="tools_not_certified")
     if req.n not in (None, 1):
         raise ApiError(
             400, f"n must be 1 (the gate releases one majority answer), got {req.n}", param="n"

@@ -29,7 +29,8 @@ PHRASES = {
     "-": ("gives away {n}", "loses {n}", "sells {n}", "uses up {n}"),
     "*": ("ends up with {n} times as many", "multiplies the pile by {n}"),
 }
-# Multipliers stay small so answers stay in the range a small model can learn to compute.
+# Multipliers stay small by default so answers stay in the range a small model can learn to compute
+# (difficulty.max_multiplier raises it: products a model can only get right with a calculator).
 MAX_MULTIPLIER = 5
 MAX_ATTEMPTS_PER_PROBLEM = 200
 DEFAULT_N_TEST = 100
@@ -49,12 +50,15 @@ class ArithmeticDifficulty:
     style: Style = "expression"
     verbosity: int = 0
     reasoning: Reasoning = "short"
+    max_multiplier: int = MAX_MULTIPLIER
 
     def __post_init__(self) -> None:
         if self.min_steps < 1 or self.max_steps < self.min_steps:
             raise ValueError("need 1 <= min_steps <= max_steps")
         if self.max_operand < 2:
             raise ValueError("max_operand must be >= 2")
+        if self.max_multiplier < 2:
+            raise ValueError("max_multiplier must be >= 2")
         if not self.operators or set(self.operators) - set("+-*"):
             raise ValueError("operators must be a non-empty subset of '+-*'")
         if self.style not in ("expression", "words", "mixed"):
@@ -190,7 +194,7 @@ class ArithmeticTask:
             if symbol == "-" and value < 1:
                 symbol = "+"  # word problems cannot take away what is not there
             if symbol == "*":
-                operand = int(rng.integers(2, min(MAX_MULTIPLIER, d.max_operand) + 1))
+                operand = int(rng.integers(2, min(d.max_multiplier, d.max_operand) + 1))
             elif symbol == "-":
                 operand = int(rng.integers(1, min(value, d.max_operand) + 1))
             else:

@@ -64,6 +64,9 @@ class Rollouts:
         )
         out.authorships = [s.authorship for res in results for s in res.samples]
         out.logprobs = [list(s.logprobs) for res in results for s in res.samples]
+        masks = [s.model_tokens for res in results for s in res.samples]
+        if masks and all(m is not None for m in masks):
+            out.model_token_masks = [list(m) for m in masks]
         return out
 
     @property

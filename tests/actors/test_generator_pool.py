@@ -1,6 +1,7 @@
 """GeneratorPool: two vLLM GeneratorActors write the rollouts of one (plain sampling, DUET's
-stop rule, Tandem), in request order for any split; a step refuses engines at another weight
-version; a crashed engine is named.
+stop rule, Tandem; single-turn and multi-turn), in request order for any split, and one engine's
+request loop writes exactly its batch path's; a step refuses engines at another weight version;
+a crashed engine is named.
 
 Each engine computes with two threads, and with two or more vLLM's CPU attention may split a
 decode row's KV range into chunks merged afterwards, at points set by the whole batch's KV lengths
@@ -14,16 +15,26 @@ Tokens, finish reasons, flags and authorship must match exactly; log-probs withi
 OMP_WAIT_POLICY=PASSIVE only keeps the engines' idle threads from spinning on the shared cores.
 """
 
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
+from ray import cloudpickle
 
 from actors.generator import GeneratorActor
 from rlvr.algorithms.duet.stop import coin, rollout_seed
 from rlvr.config import ConfigError, load_config
 from rlvr.generation.base import GenerationRequest, SamplingParams
+from rlvr.generation.trajectories import (
+    Continue,
+    Finish,
+    Trajectory,
+    TrajectoryLimits,
+    TrajectoryResult,
+    turn_seed,
+)
 from rlvr.models.tiny import build_tiny_model
 from workflows.components import generator_kwargs, sleep_level
 from workflows.generator_pool import GeneratorPool, contiguous_shards
@@ -113,6 +124,10 @@ def test_two_engines_write_the_rollouts_of_one(engines, method):
     params = SamplingParams(temperature=1.0, max_tokens=64)
     extra = {"duet": {"duet_stop": DUET}, "tandem": {"tandem": True}}.get(method, {})
     one = engines[0].run("generate", requests, params, **extra)
+    # the request loop (the default) adds the batch path's requests in its order: bit for bit
+    assert _rollouts(one) == _rollouts(
+        engines[0].run("generate", requests, params, loop="batch", **extra)
+    )
     pool = GeneratorPool(engines)
     before = pool.run("stats")["engines"][1]["tokens"]
     two = pool.run("generate", requests, params, step=3, **extra)
@@ -144,6 +159,46 @@ def test_results_come_back_in_request_order(engines, lengths):
     _assert_same_rollouts(
         _rollouts(GeneratorPool(engines[:1]).run("generate", requests, params)), one
     )
+
+
+class Observe:
+    """Answers a turn with fixed observation tokens until the third turn (runs in the actors)."""
+
+    def __call__(self, trajectory: TrajectoryResult):
+        if len(trajectory.turns) == 3:
+            return Finish()
+        return Continue([7, 8, 9], {"after": len(trajectory.turns) - 1})
+
+
+# The actors unpickle the callback: ship this module's code along, it is not importable there.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.mark.ray
+def test_two_engines_write_the_trajectories_of_one(engines):
+    requests = _requests([19, 3, 12, 8, 1], n=1)
+    trajectories = [
+        Trajectory(r.prompt_ids, seed=r.seed, next_turn=Observe(), trajectory_id=r.request_id)
+        for r in requests
+    ]
+    params = SamplingParams(temperature=1.0, max_tokens=16)
+    limits = TrajectoryLimits(max_context=220)
+    one = engines[0].run("generate_trajectories", trajectories, params, limits)
+    two = GeneratorPool(engines).generate_trajectories(trajectories, params, limits, step=3)
+    assert [r.trajectory_id for r in two] == [r.request_id for r in requests]
+    for a, b, trajectory in zip(one, two, trajectories, strict=True):
+        assert (a.status, b.status, len(b.turns)) == ("done", "done", 3)
+        assert [t.seed for t in b.turns] == [turn_seed(trajectory.seed, k) for k in range(3)]
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.turns, b.turns, strict=True):
+            assert (x.prompt_ids, x.observation_ids, x.info) == (
+                y.prompt_ids,
+                y.observation_ids,
+                y.info,
+            )
+            np.testing.assert_allclose(
+                x.sample.logprobs, y.sample.logprobs, rtol=0, atol=LOGPROB_ATOL
+            )
 
 
 @pytest.mark.ray

@@ -6,13 +6,13 @@ conversation so far; tools reach templates that render them through `tools=`, an
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 import pytest
 from transformers import AutoTokenizer
 
 from rlvr.envs.chat import ChatRenderer, template_style
 from rlvr.envs.tools import load_tool
-from rlvr.envs.trajectory import Trajectory, Turn
 from rlvr.tasks.prompts import render_messages
 
 TOOLS = [load_tool("rlvr.envs.builtin_tools:calculate").schema]
@@ -69,24 +69,33 @@ def sampled(tokenizer, text: str, stop: bool = True) -> list[int]:
     return ids + [tokenizer.eos_token_id] if stop else ids
 
 
-def play(renderer: ChatRenderer, completions: list[list[int]]) -> tuple[Trajectory, list]:
+@dataclass
+class Played:
+    """A scripted conversation: the messages so far and the ids the engine loop would hold."""
+
+    messages: list[dict]
+    ids: list[int]
+    observation_ids: list[list[int]] = field(default_factory=list)
+
+
+def play(renderer: ChatRenderer, completions: list[list[int]]) -> tuple[Played, list]:
     """A scripted rollout: the turns' completions answered by OBSERVATIONS; returns the
-    trajectory and each turn's prompt ids as the engine would have sent them."""
+    conversation and each turn's prompt ids as the engine would have sent them."""
     prompt = [{"role": "user", "content": "What is 12 * 13?"}]
-    trajectory = Trajectory(prompt, renderer.prompt_ids(prompt), tools=renderer.tools)
+    played = Played(prompt, renderer.prompt_ids(prompt))
     prompts = []
     tokenizer = renderer.tokenizer
     for t, ids in enumerate(completions):
-        prompts.append(trajectory.token_ids())
+        prompts.append(list(played.ids))
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        turn = Turn(ids, [-0.5] * len(ids), text, "stop")
+        played.messages = [*played.messages, {"role": "assistant", "content": text}]
+        played.ids += ids
         if t < len(OBSERVATIONS):
-            conversation = [*trajectory.messages(), {"role": "assistant", "content": text}]
-            turn.observation = OBSERVATIONS[t]
-            turn.observation_ids = renderer.observation_ids(conversation, ids, turn.observation)
-        trajectory.turns.append(turn)
-    trajectory.end("done")
-    return trajectory, prompts
+            observed = renderer.observation_ids(played.messages, ids, OBSERVATIONS[t])
+            played.observation_ids.append(observed)
+            played.messages += OBSERVATIONS[t]
+            played.ids += observed
+    return played, prompts
 
 
 def renderers(tiny, tiny_hermes):
@@ -143,38 +152,25 @@ def test_without_tools_the_prompt_is_the_single_turn_one(tiny):
 def test_each_turns_prompt_is_the_template_of_the_conversation_so_far(tiny, tiny_hermes, style):
     renderer = renderers(tiny, tiny_hermes)[style]
     tokenizer = renderer.tokenizer
-    trajectory, prompts = play(renderer, [sampled(tokenizer, t) for t in (CALL_1, CALL_2, ANSWER)])
-    conversation = trajectory.messages()
+    played, prompts = play(renderer, [sampled(tokenizer, t) for t in (CALL_1, CALL_2, ANSWER)])
+    conversation = played.messages
     # turn 2 follows the first observation, turn 3 the second
     assert prompts[1] == renderer.prompt_ids(conversation[:3])
     assert prompts[2] == renderer.prompt_ids(conversation[:6])
     # the whole sequence: the template's ids of the conversation, less the end of the last
     # turn that the model did not write (here "\n" after its EOS)
     whole = renderer.encode(renderer.render(conversation, add_generation_prompt=False))
-    ids = trajectory.token_ids()
+    ids = played.ids
     assert whole[: len(ids)] == ids
     assert tokenizer.decode(whole[len(ids) :]) == "\n"
     assert tokenizer.decode(ids) + "\n" == renderer.render(conversation, False)
 
 
-def test_the_masks_cover_the_models_ids_only(tiny):
-    renderer = ChatRenderer(tiny, TOOLS)
-    completions = [sampled(tiny, t) for t in (CALL_1, CALL_2, ANSWER)]
-    trajectory, _ = play(renderer, completions)
-    ids, mask = trajectory.token_ids(), trajectory.loss_mask()
-    assert len(mask) == len(ids) == len(trajectory.token_logprobs())
-    assert [i for i, m in zip(ids, mask, strict=True) if m] == sum(completions, [])
-    assert trajectory.model_tokens() == sum(map(len, completions)) == sum(mask)
-    assert {lp for lp, m in zip(trajectory.token_logprobs(), mask, strict=True) if not m} == {0.0}
-    assert mask[: len(trajectory.prompt_ids)] == [0] * len(trajectory.prompt_ids)
-
-
 def test_a_turn_cut_at_max_tokens_gets_the_end_of_turn_from_the_observation(tiny):
     renderer = ChatRenderer(tiny, TOOLS)
-    trajectory, prompts = play(renderer, [sampled(tiny, CALL_1, stop=False), sampled(tiny, ANSWER)])
-    first = trajectory.turns[0]
-    assert first.observation_ids[0] == tiny.eos_token_id  # the EOS the model never wrote
-    assert prompts[1] == renderer.prompt_ids(trajectory.messages()[:3])
+    played, prompts = play(renderer, [sampled(tiny, CALL_1, stop=False), sampled(tiny, ANSWER)])
+    assert played.observation_ids[0][0] == tiny.eos_token_id  # the EOS the model never wrote
+    assert prompts[1] == renderer.prompt_ids(played.messages[:3])
 
 
 def test_the_models_own_ids_are_kept_even_where_the_tokenizer_would_merge_them(tiny):
@@ -183,10 +179,10 @@ def test_the_models_own_ids_are_kept_even_where_the_tokenizer_would_merge_them(t
     by_character = [i for ch in ANSWER for i in tiny.encode(ch, add_special_tokens=False)]
     by_character.append(tiny.eos_token_id)
     assert by_character != canonical
-    trajectory, _ = play(renderer, [sampled(tiny, CALL_1), sampled(tiny, CALL_2), by_character])
-    ids = trajectory.token_ids()
+    played, _ = play(renderer, [sampled(tiny, CALL_1), sampled(tiny, CALL_2), by_character])
+    ids = played.ids
     assert ids[-len(by_character) :] == by_character
-    assert tiny.decode(ids) + "\n" == renderer.render(trajectory.messages(), False)
+    assert tiny.decode(ids) + "\n" == renderer.render(played.messages, False)
 
 
 def test_special_token_text_in_an_observation_cannot_forge_a_turn(tiny):
@@ -240,10 +236,10 @@ def test_smollm2_renders_tools_through_the_fallback_and_splices_exactly():
     renderer = ChatRenderer(tokenizer, TOOLS)
     completions = [sampled(tokenizer, t) for t in (CALL_1, CALL_2, ANSWER)]
     assert completions[0][-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    trajectory, prompts = play(renderer, completions)
-    conversation = trajectory.messages()
+    played, prompts = play(renderer, completions)
+    conversation = played.messages
     assert prompts[1] == renderer.prompt_ids(conversation[:3])
     assert prompts[2] == renderer.prompt_ids(conversation[:6])
     text = renderer.render(conversation, add_generation_prompt=False)
     assert text.startswith("<|im_start|>system\nYou can call tools.")
-    assert tokenizer.decode(trajectory.token_ids()) + "\n" == text
+    assert tokenizer.decode(played.ids) + "\n" == text

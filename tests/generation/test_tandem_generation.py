@@ -1,8 +1,9 @@
 """Tandem co-generation in both engines against the two-model segment-loop oracle: the vLLM
 combined model (senior + junior in lockstep in one engine) and the transformers lockstep loop give
 the oracle's exact ids, authorship, finish reasons and counters for the same seeds, greedy and
-sampled, also across preemptions; the vocabulary check and the refused combinations; and a
-GeneratorActor whose junior stays bit-identical while the senior is synced."""
+sampled, also across preemptions and turn by turn in multi-turn rollouts; vLLM's request loop
+co-writes exactly what its batch path does; the vocabulary check and the refused combinations;
+and a GeneratorActor whose junior stays bit-identical while the senior is synced."""
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from rlvr.algorithms.tandem import (
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.generation.tandem_support import counters_from_flags
+from rlvr.generation.trajectories import Continue, Finish, Trajectory, turn_seed
 from rlvr.models.tiny import build_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 7]]
@@ -98,6 +100,43 @@ def test_engines_equal_the_segment_loop_oracle(backend, temperature, top_p, engi
     # Not a vacuous match: both models wrote, and the cap fired as well as word starts.
     assert 0 < sum(authors) < len(authors)
     assert cap_redraws > 0
+
+
+def test_the_request_loop_co_writes_what_the_batch_path_co_writes(engine, schedule):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS)
+
+    def rollouts(loop):
+        results = engine.generate(_requests(), params, schedule=schedule, loop=loop)
+        return [
+            (s.token_ids, s.logprobs, s.authorship, s.flags) for r in results for s in r.samples
+        ]
+
+    assert rollouts("requests") == rollouts("batch")
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_every_turn_of_a_trajectory_is_co_written_from_its_own_seed(backend, engine, hf, schedule):
+    """Turn t starts a fresh author state from turn_seed(seed, t): it is the oracle's rollout
+    of that turn's prompt and seed."""
+    gen = engine if backend == "vllm" else hf
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)
+
+    def observe(trajectory):
+        done = len(trajectory.turns) == 2
+        return Finish() if done else Continue([7, 8, 9])
+
+    trajectories = [
+        Trajectory(prompt, seed=seed, next_turn=observe)
+        for prompt, seed in zip(PROMPTS, SEEDS, strict=True)
+    ]
+    results = gen.generate_trajectories(trajectories, params, schedule=schedule)
+    for trajectory, result in zip(trajectories, results, strict=True):
+        assert [t.seed for t in result.turns] == [turn_seed(trajectory.seed, k) for k in (0, 1)]
+        for turn in result.turns:
+            want = _oracle(hf, schedule, turn.prompt_ids, turn.seed, params)
+            assert turn.sample.token_ids == want.response_ids
+            assert turn.sample.authorship == want.authorship
+            assert counters_from_flags(turn.sample.flags) == want.counters
 
 
 def test_sampled_log_probs_are_each_authors_processed_distribution(engine, hf, schedule):

@@ -465,6 +465,12 @@ def test_bad_input_is_4xx_json_and_changes_nothing(server):
         )
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
+    tool = {"type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="not served behind the CSA gate") as info:
+        client.chat.completions.create(
+            model=server["model"], messages=[{"role": "user", "content": "x"}], tools=[tool]
+        )
+    assert info.value.body["code"] == "tools_not_certified" and info.value.body["param"] == "tools"
     assert {s: remote_state(server, s) for s in STREAMS} == before
     assert {p.name: p.read_bytes() for p in server["state_dir"].iterdir()} == files
 

@@ -33,23 +33,40 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox nee
 
 FLOOD = "import os\nchunk = b'x' * (1 << 20)\nfor _ in range({n}):\n    os.write({fd}, chunk)\n"
 CHILDREN = """
-import os, time
+import os, select, struct
+ready_r, ready_w = os.pipe()
+go_r, go_w = os.pipe()
+children = set()
 for _ in range(4):
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        os.close(go_w)
         try:
             block = bytearray(100 << 20)
             for i in range(0, len(block), 4096):
                 block[i] = 1
-            os.write(1, b"held\\n")
-            time.sleep(1)
         except MemoryError:
-            pass
+            os._exit(1)
+        os.write(ready_w, struct.pack("i", os.getpid()))
+        os.read(go_r, 1)  # the barrier: every child still alive holds its block at once
+        os.write(1, b"held\\n")
         os._exit(0)
-for _ in range(4):
-    try:
-        os.wait()
-    except ChildProcessError:
-        break
+    children.add(pid)
+os.close(ready_w)
+os.close(go_r)
+settled = set()
+while children - settled:
+    if select.select([ready_r], [], [], 0.05)[0]:
+        data = os.read(ready_r, 4096)
+        settled.update(struct.unpack(f"{len(data) // 4}i", data))
+    for pid in children - settled:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            children.discard(pid)
+            break
+os.close(go_w)
+for pid in children:
+    os.waitpid(pid, 0)
 """
 
 
@@ -88,7 +105,8 @@ def _held(limits: Limits) -> int:
 
 @pytest.mark.parametrize("control", ["cgroup", "rlimit"])
 def test_memory_is_bounded_for_all_processes_together(control, monkeypatch):
-    """Four children of 100 MB each: all hold under 1024 MB, at most two under 256 MB."""
+    """Four children of 100 MB each that, past a barrier, hold their blocks at once: all four
+    under 1024 MB, at most two under 256 MB (an OOM kill before the barrier drops a child)."""
     if control == "cgroup" and memory_control() == "rlimit":
         pytest.skip("no memory cgroup can be made here")
     if control == "rlimit":

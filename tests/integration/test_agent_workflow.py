@@ -1,0 +1,78 @@
+"""Multi-turn rollouts through the whole run: a user's environment class (a module outside the
+package, in a process of its own per trajectory) answering the tiny model's turns on the vLLM
+engine, the trainer training on the model's tokens alone, the agent metrics per step, a
+killed run resuming bit for bit, and `rlvr evaluate` of the result in its environment."""
+
+from __future__ import annotations
+
+import json
+
+ENV = (
+    "env.kind=python",
+    "env.class=tests.envs.sample_envs:GuessTheAnswer",
+    "env.kwargs={tries: 3}",
+    "env.max_turns=3",
+    "run.steps=2",
+)
+
+
+def test_a_multi_turn_run_trains_on_the_model_s_tokens_and_resumes_exactly(
+    tmp_path, run_cli, tiny_train_args, run_records, assert_same_weights, run_control
+):
+    full = run_cli(tiny_train_args(tmp_path / "a", *ENV))
+    log, _ = full.communicate(timeout=900)
+    assert full.returncode == 0, log[-4000:]
+    proc = run_cli(tiny_train_args(tmp_path / "b", *ENV))
+    run_control.kill_driver_after_commit(
+        proc, tmp_path / "b" / "full" / "checkpoints" / "step_000000"
+    )
+    resumed = run_cli(["train", "--resume", str(tmp_path / "b" / "full")])
+    log, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, log[-4000:]
+
+    run = tmp_path / "a" / "full"
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    for m in metrics:
+        assert 1.0 <= m["agent_turns_mean"] <= 3.0
+        assert m["agent_tool_calls_per_trajectory"] == 0.0
+        assert m["agent_end_done"] == 1.0
+        # the trainer saw the model's tokens only: the hints between turns are not loss tokens
+        assert m["train_tokens"] == sum(r["length"] for r in rollouts if r["step"] == m["step"])
+    for r in rollouts:
+        agent = r["flags"]["agent"]
+        assert agent["turns"] >= 1 and agent["env_reward"] in (0.0, 1.0)
+        assert r["reward"] == agent["env_reward"] and r["status"] == "environment"
+    runs = [tmp_path / d / "full" for d in ("a", "b")]
+    assert run_records(runs[0], "metrics.jsonl") == run_records(runs[1], "metrics.jsonl")
+    assert run_records(runs[0], "rollouts.jsonl") == run_records(runs[1], "rollouts.jsonl")
+    assert_same_weights(*runs)
+    check_evaluate(run, tmp_path, run_cli)
+
+
+def check_evaluate(run, tmp_path, run_cli) -> None:
+    """`rlvr evaluate` plays the run's environment on vLLM (its reward, its agent records);
+    `--no-env` samples single-turn, scored by the verifier."""
+    common = ["evaluate", "--checkpoint", str(run), "--n", "2"]
+    proc = run_cli([*common, "--out", str(tmp_path / "with")])
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    proc = run_cli([*common, "--no-env", "--backend", "hf", "--out", str(tmp_path / "without")])
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    with_env, without = (
+        (
+            json.loads((tmp_path / d / "evaluation.json").read_text()),
+            [json.loads(x) for x in (tmp_path / d / "items.jsonl").read_text().splitlines()],
+        )
+        for d in ("with", "without")
+    )
+    assert with_env[0]["env"] == "python" and without[0]["env"] == "none"
+    assert 1.0 <= with_env[0]["agent"]["agent_turns_mean"] <= 3.0 and "agent" not in without[0]
+    for item in with_env[1]:
+        for sample, correct in zip(item["samples"], item["correct"], strict=True):
+            assert sample["status"] == "environment" and sample["agent"]["turns"] >= 1
+            assert correct == (sample["agent"]["env_reward"] == 1.0)
+    assert all(
+        "agent" not in s and s["status"] != "environment" for i in without[1] for s in i["samples"]
+    )
