@@ -242,3 +242,11 @@ def test_docs_python_examples_run_up_to_their_runs(block, monkeypatch):
     monkeypatch.chdir(ROOT)
     with contextlib.suppress(Reached):
         exec(compile(block, "<docs>", "exec"), {"__name__": "__main__"})
+
+
+def test_readme_is_a_front_page():
+    """The README stays a front page: the manual lives in docs/, each page linked from here."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+        assert (ROOT / link).exists(), link
