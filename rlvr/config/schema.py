@@ -64,8 +64,7 @@ Plugin = Annotated[
 """A user plug-in (a reward function): `"package.module:name"`, imported where it runs, or, from
 Python, the object itself, which reaches the actors by Ray's serialization (cloudpickle: a function
 defined in a notebook travels by value). A saved config (a run's config.yaml) names an object by
-`plugin_name`, which a later process can import only when the object lives in a module. The
-agents' tools and environment classes (`env.tools`, `env.class`) are plug-ins of the same kind."""
+`plugin_name`, which a later process can import only when the object lives in a module."""
 
 
 class LoraConfig(Section):
@@ -1025,6 +1024,9 @@ class RunConfig(Section):
 
 
 class Config(Section):
+    """A training run's configuration: one section per key of the YAML (every key in the
+    configuration reference), validated as a whole when built or changed."""
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)

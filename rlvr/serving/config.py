@@ -265,6 +265,9 @@ class ServeLiveConfig(Section):
 
 
 class ServeConfig(Section):
+    """A deployment's configuration (`rlvr serve`): its model, sampling, CSA streams, replicas
+    and HTTP front, validated as a whole when built or changed."""
+
     name: str = Field("serve", min_length=1, description="Deployment name (actor and state).")
     model: ServeModelConfig = Field(default_factory=ServeModelConfig)
     generation: ServeGenerationConfig = Field(default_factory=ServeGenerationConfig)

@@ -69,7 +69,7 @@ def test_quickstart_trains_watches_inspects_and_evaluates(tmp_path, monkeypatch,
         "commit the notebook with its outputs cleared"
     )
     monkeypatch.setenv("RLVR_OUTPUT_DIR", str(tmp_path))
-    monkeypatch.setenv("RLVR_STEPS", "3")
+    monkeypatch.setenv("RLVR_STEPS", "2")
     NotebookClient(
         nb,
         kernel_name="python3",
@@ -87,8 +87,8 @@ def test_quickstart_trains_watches_inspects_and_evaluates(tmp_path, monkeypatch,
     assert "'last_applied_step'" in text
     # the figure was drawn while the run went on, and saved
     assert (run_dir / "quickstart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [m["step"] for m in run.read_metrics()] == [0, 1, 2]
-    assert f"TrainingRun('{name}', finished, 3/3 steps committed" in text
+    assert [m["step"] for m in run.read_metrics()] == [0, 1]
+    assert f"TrainingRun('{name}', finished, 2/2 steps committed" in text
     # the notebook's own reward scored the rollouts: 0.1 is its bonus for a wrong boxed answer
     rewards = {r["reward"] for r in run.read_rollouts()}
     assert rewards <= {0.0, 0.1, 1.0} and 0.1 in rewards
