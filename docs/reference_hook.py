@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -234,6 +235,22 @@ def _nested(annotation: Any) -> type[BaseModel] | None:
 # --- command line ----------------------------------------------------------------------------
 
 
+USAGE_PART = re.compile(r"\[(?:[^\[\]]|\[[^\]]*\])*\]|\S+")
+"""One part of a usage line: an optional group (brackets nested once, as argparse writes
+`[--k [K ...]]`), or a word."""
+
+
+def wrap_usage(usage: str, width: int = 80) -> list[str]:
+    """A usage line as the page's code block shows it without scrolling: broken between options,
+    never inside one, the continuation lines indented."""
+    lines = [""]
+    for part in USAGE_PART.findall(usage):
+        if lines[-1].strip() and len(lines[-1]) + 1 + len(part) > width:
+            lines.append("    ")
+        lines[-1] += part if not lines[-1].strip() else f" {part}"
+    return lines
+
+
 def cli_reference() -> str:
     """Every `rlvr` subcommand: its help, usage and options, from the parser itself."""
     from workflows.cli import build_parser
@@ -250,7 +267,7 @@ def cli_reference() -> str:
     for name, sub, text in subcommands(parser):
         lines += [f"## `rlvr {name}`", "", f"{text[0].upper()}{text[1:]}.", ""]
         usage = " ".join(sub.format_usage().split()).removeprefix("usage: ")
-        lines += ["```text", usage, "```", ""]
+        lines += ["```text", *wrap_usage(usage), "```", ""]
         lines += options(sub)
     return "\n".join(lines)
 

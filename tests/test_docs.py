@@ -153,3 +153,18 @@ def test_the_site_builds_strict(tmp_path):
         assert f'id="workflows.api.{name}"' in api, name
     assert 'id="rlvr.config.schema.load_config"' in api
     assert "One training step" in (site / "concepts" / "index.html").read_text()
+
+
+def test_usage_lines_fit_the_page_and_keep_every_option_whole():
+    usage = (
+        "rlvr x [-h] --checkpoint CHECKPOINT [--data DATA] [--k K [K ...]] [--backend {vllm,hf}]"
+    )
+    lines = hook.wrap_usage(usage, width=40)
+    assert lines == [
+        "rlvr x [-h] --checkpoint CHECKPOINT",
+        "    [--data DATA] [--k K [K ...]]",
+        "    [--backend {vllm,hf}]",
+    ]
+    page = hook.cli_reference()
+    for block in re.findall(r"```text\n(.*?)```", page, re.S):
+        assert all(len(line) <= 80 for line in block.splitlines()), block
