@@ -21,9 +21,15 @@ from rlvr.verifiers.worker import WorkerLost, WorkerPool
 
 __all__ = ["STATUSES", "MathVerifier", "extract_answer", "verify_math"]
 
-STATUSES = ("correct", "wrong", "no_answer", "timeout", "error")
+STATUSES = ("correct", "wrong", "no_answer", "unevaluated", "timeout", "error")
 # Integers math-verify compares exactly (checked against it in the tests); int() stays cheap.
 _PLAIN_INT = re.compile(r"[+-]?\d{1,18}")
+_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?")
+"""A gold that is a plain number (thousands commas and decimals allowed)."""
+_DECORATION = re.compile(r"\\[,!;: ]|\$|\\left|\\right|\s")
+_FRACTION = re.compile(r"[+-]?(\\[dt]?frac\{\d+\}\{\d+\}|\d+/\d+)")
+_ARITHMETIC = re.compile(r"[\d)}]([-+*/^×·÷]|\\(times|cdot|div|frac))|\\[dt]?frac")
+"""An operation whose left operand is a number or a closed group, or a fraction anywhere."""
 
 
 def _gold_answer(gold: str) -> str:
@@ -38,6 +44,19 @@ def _plain_int_result(answer: str, gold: str) -> tuple[float, str] | None:
     if _PLAIN_INT.fullmatch(answer) and _PLAIN_INT.fullmatch(gold):
         return (1.0, "correct") if int(answer) == int(gold) else (0.0, "wrong")
     return None
+
+
+def unevaluated(answer: str, gold: str) -> bool:
+    """Whether `answer` is an arithmetic expression left for the reader to evaluate where `gold`
+    is a plain number: `\\boxed{99 * 56}` for 5544 restates the question, and math-verify, which
+    evaluates what it parses, would count it correct, a reward a policy learns to collect. A
+    single fraction stays a final form for a gold that is not an integer (1/2 for 0.5)."""
+    if not _NUMBER.fullmatch(gold):
+        return False
+    text = _DECORATION.sub("", answer)
+    if _FRACTION.fullmatch(text):
+        return "." not in gold and int(gold.replace(",", "")) == float(gold.replace(",", ""))
+    return bool(_ARITHMETIC.search(text))
 
 
 def _compare(answer: str, gold: str) -> tuple[float, str]:
@@ -118,6 +137,8 @@ class MathVerifier(ClosingVerifier):
         quick = _plain_int_result(answer, gold_answer)
         if quick is not None:
             return quick
+        if unevaluated(answer, gold_answer):
+            return 0.0, "unevaluated"
         return self._compare(answer, gold_answer, self.timeout if timeout is None else timeout)
 
     def verify_batch(

@@ -53,6 +53,16 @@ def _worker_pids() -> set[int]:
         (r"\boxed{7}", "Adding gives 3 + 4 = 7.\n#### 7", (1.0, "correct")),  # gold solution
         (r"\boxed{7}", r"So the total is \boxed{7}.", (1.0, "correct")),
         (r"\boxed{7}", "", (0.0, "error")),  # a gold with no answer is a data bug
+        # an expression restating the question is not an answer, though math-verify evaluates it
+        (r"\boxed{99 * 56}", "5544", (0.0, "unevaluated")),
+        (r"\boxed{99 \times 56}", "5544", (0.0, "unevaluated")),
+        (r"\boxed{(3 + 4)}", "7", (0.0, "unevaluated")),
+        ("#### 12 - 5", "7", (0.0, "unevaluated")),
+        (r"\boxed{\frac{14}{2}}", "7", (0.0, "unevaluated")),
+        (r"\boxed{2^{3}}", "8", (0.0, "unevaluated")),
+        (r"\boxed{5,544}", "5544", (1.0, "correct")),
+        (r"\boxed{-3}", "-3", (1.0, "correct")),
+        (r"\boxed{x + 1}", "x+1", (1.0, "correct")),  # symbolic golds keep their expressions
     ],
 )
 def test_verdicts(verifier, response, gold, expected):
@@ -94,7 +104,8 @@ PATHOLOGICAL = {
 @pytest.mark.parametrize("name", PATHOLOGICAL)
 def test_pathological_answers_time_out_and_the_pool_recovers(verifier, name):
     start = time.monotonic()
-    assert verifier.verify(PATHOLOGICAL[name], "1", timeout=TIMEOUT) == (0.0, "timeout")
+    # a symbolic gold: a plain number would refuse the arithmetic ones unevaluated at once
+    assert verifier.verify(PATHOLOGICAL[name], r"\sqrt{2}", timeout=TIMEOUT) == (0.0, "timeout")
     assert time.monotonic() - start < TIMEOUT + MARGIN
     # A replacement worker answers the next call, and no process is leaked.
     assert verifier.verify(r"\boxed{\frac{6}{8}}", "0.75") == (1.0, "correct")
@@ -109,7 +120,7 @@ def test_garbage_bytes(verifier):
     for response in (garbage, boxed_garbage, "\\boxed{" + surrogates + "}"):
         start = time.monotonic()
         reward, status = verifier.verify(response, "1", timeout=TIMEOUT)
-        assert reward == 0.0 and status in ("no_answer", "wrong", "timeout", "error")
+        assert reward == 0.0 and status in ("no_answer", "wrong", "unevaluated", "timeout", "error")
         assert time.monotonic() - start < TIMEOUT + MARGIN
 
 
@@ -121,7 +132,7 @@ def test_batch_runs_in_parallel_with_per_item_timeouts(verifier):
         r"\boxed{\sqrt{4}}",
         r"\boxed{5}",
     ]
-    golds = ["1", "0.5", "3", "2", "6"]
+    golds = [r"\sqrt{2}", "0.5", "3", "2", "6"]
     start = time.monotonic()
     results = verifier.verify_batch(responses, golds, timeout=TIMEOUT)
     assert results == [
@@ -142,7 +153,7 @@ def test_non_main_thread(verifier):
 
     def work():
         results["timeout"] = verifier.verify(
-            PATHOLOGICAL["tower of exponents"], "1", timeout=TIMEOUT
+            PATHOLOGICAL["tower of exponents"], r"\sqrt{2}", timeout=TIMEOUT
         )
         results["correct"] = verifier.verify(r"\boxed{\frac{10}{4}}", "2.5")
 
@@ -180,4 +191,5 @@ def test_killing_a_dead_worker_with_unflushed_input_closes_its_pipes():
 
 def test_module_level_verify_math():
     assert verify_math(r"\boxed{\frac{1}{2}}", "0.5") == (1.0, "correct")
-    assert verify_math(PATHOLOGICAL["tower of exponents"], "1", timeout=TIMEOUT) == (0.0, "timeout")
+    tower = PATHOLOGICAL["tower of exponents"]
+    assert verify_math(tower, r"\sqrt{2}", timeout=TIMEOUT) == (0.0, "timeout")
