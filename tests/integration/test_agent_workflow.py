@@ -1,7 +1,8 @@
 """Multi-turn rollouts through the whole run: a user's environment class (a module outside the
 package, in a process of its own per trajectory) answering the tiny model's turns on the vLLM
-engine, the trainer training on the model's tokens alone, the agent metrics per step, a
-killed run resuming bit for bit, and `rlvr evaluate` of the result in its environment."""
+engine, the trainer training on the model's tokens alone, the agent metrics per step, a lost
+engine recovered within the run and a killed run resumed, both ending bit for bit as the
+uninterrupted run, and `rlvr evaluate` of the result in its environment."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ ENV = (
     "env.class=tests.envs.sample_envs:GuessTheAnswer",
     "env.kwargs={tries: 3}",
     "env.max_turns=3",
-    "run.steps=2",
+    "run.steps=3",
 )
 
 
@@ -25,12 +26,15 @@ def test_a_multi_turn_run_trains_on_the_model_s_tokens_and_resumes_exactly(
     log, _ = full.communicate(timeout=900)
     assert full.returncode == 0, log[-4000:]
     proc = run_cli(tiny_train_args(tmp_path / "b", *ENV))
-    run_control.kill_driver_after_commit(
-        proc, tmp_path / "b" / "full" / "checkpoints" / "step_000000"
-    )
+    checkpoints = tmp_path / "b" / "full" / "checkpoints"
+    run_control.wait_for_commit(proc, checkpoints / "step_000000", poll_s=0.01)
+    run_control.kill_actor(proc, "GeneratorActor")  # in step 1's multi-turn rollouts
+    run_control.kill_driver_after_commit(proc, checkpoints / "step_000001")
     resumed = run_cli(["train", "--resume", str(tmp_path / "b" / "full")])
     log, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, log[-4000:]
+    recoveries = (tmp_path / "b" / "full" / "recoveries.jsonl").read_text().splitlines()
+    assert len(recoveries) == 1 and "GeneratorActor" in json.loads(recoveries[0])["cause"]
 
     run = tmp_path / "a" / "full"
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
