@@ -21,8 +21,10 @@ RESPONSES = [
 ]
 GOLDS = ["4", "4", "1", "7", "0.5"]
 SCORED = [(1.0, "correct"), (0.0, "wrong"), (0.0, "no_answer"), (1.0, "correct"), (1.0, "correct")]
-# sympy cannot finish this comparison: the actor's worker times out on it (a verdict, "timeout")
+# sympy cannot finish this comparison: the actor's worker times out on it (a verdict, "timeout");
+# against a symbolic gold, since a plain number would refuse it at once as unevaluated
 SLOW = "\\boxed{9^{9^{9^{9}}}}"
+SLOW_GOLD = "\\sqrt{2}"
 KILLER = "this response takes its verifier actor down"
 
 
@@ -56,7 +58,7 @@ def test_an_actor_killed_while_scoring_changes_nothing(ray_cluster):
     """Actor 0's chunk holds an item that runs for the full per-item timeout (2 s); the actor is
     killed 0.5 s into the call, between submit and get."""
     pool = VerifierPool(size=2, timeout_s=2.0)
-    responses, golds = [SLOW, *RESPONSES], ["1", *GOLDS]
+    responses, golds = [SLOW, *RESPONSES], [SLOW_GOLD, *GOLDS]
     try:
         uninterrupted = pool.score(responses, golds)
         assert uninterrupted == [(0.0, "timeout"), *SCORED]
@@ -91,7 +93,7 @@ def test_an_input_that_kills_every_actor_fails_after_bounded_reruns(ray_cluster)
 def test_pathological_input_times_out_not_hangs(ray_cluster):
     pool = VerifierPool(size=1, timeout_s=1.0)
     try:
-        out = pool.score([SLOW, "\\boxed{3}"], ["1", "3"])
+        out = pool.score([SLOW, "\\boxed{3}"], [SLOW_GOLD, "3"])
         assert out == [(0.0, "timeout"), (1.0, "correct")]
         assert pool.replaced == 0
     finally:
