@@ -21,7 +21,14 @@ import numpy as np
 from rlvr.algorithms.pass_at_k import pass_at_k
 from rlvr.answers import extract_answer
 from rlvr.config import Config, ConfigError
-from rlvr.envs.rollout import AGENT_FLAGS, AgentRequest, Agents, EnvSettings
+from rlvr.envs.rollout import (
+    AGENT_FLAGS,
+    ENVIRONMENT_STATUS,
+    AgentRequest,
+    Agents,
+    EnvSettings,
+    environment_reward,
+)
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, GenerationResult, SamplingParams
 from rlvr.run.metrics import agent_stats
@@ -171,9 +178,9 @@ def score(
             [s.text for s in samples], golds, prompts=prompt_texts, metadata=metadata
         )
     for i, sample in enumerate(samples):
-        reward = sample.flags.get(AGENT_FLAGS, {}).get("env_reward")
+        reward = environment_reward(sample.flags)
         if reward is not None:
-            verdicts[i] = (reward, "environment", *verdicts[i][2:])
+            verdicts[i] = (reward, ENVIRONMENT_STATUS, *verdicts[i][2:])
     return verdicts
 
 

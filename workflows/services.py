@@ -18,7 +18,7 @@ import ray
 from actors.controller import NAMESPACE
 from actors.reference import ReferenceActor
 from rlvr.config import Config
-from rlvr.envs.rollout import AGENT_FLAGS, AgentRequest
+from rlvr.envs.rollout import ENVIRONMENT_STATUS, AgentRequest, environment_reward
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.methods.base import ReferenceModel
 from rlvr.tasks.base import Problem
@@ -172,9 +172,9 @@ class RunServices:
         rollouts.statuses = [s[1] for s in scored]
         # a multi-turn environment's own reward, where it gave one, replaces the verifier's
         for i, flags in enumerate(rollouts.flags):
-            reward = flags.get(AGENT_FLAGS, {}).get("env_reward")
+            reward = environment_reward(flags)
             if reward is not None:
-                rollouts.rewards[i], rollouts.statuses[i] = reward, "environment"
+                rollouts.rewards[i], rollouts.statuses[i] = reward, ENVIRONMENT_STATUS
         if self.cfg.verifier.rewards:
             rollouts.reward_parts = [s[2] if len(s) > 2 else {} for s in scored]
 

@@ -44,6 +44,14 @@ from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, prompt_messages
 
 AGENT_FLAGS = "agent"
 """`Sample.flags` key of a trajectory's record (turns, tool calls, end reason, env reward)."""
+ENVIRONMENT_STATUS = "environment"
+"""The reward status of a trajectory its environment rewarded (in place of the verifier)."""
+
+
+def environment_reward(flags: dict[str, Any]) -> float | None:
+    """The reward a trajectory's environment gave it (the sum over its steps), which replaces
+    the verifier's; None where it gave none or the rollout is single-turn."""
+    return flags.get(AGENT_FLAGS, {}).get("env_reward")
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,20 @@ CLIENT = {"authorization": f"Bearer {CLIENT_KEY}"}
 OPERATOR = {"authorization": f"Bearer {OPERATOR_KEY}"}
 
 
+def save_small_calibration(path: Path) -> None:
+    """A two-point calibration of K=2 samples of 8 tokens, for a server started to check its
+    process, not its decisions."""
+    Calibration(
+        calibrator=Calibrator([0.0, 1.0], [0.05, 0.3]),
+        raw_scores=[0.0, 1.0],
+        passed=[True, False],
+        k=2,
+        temperature=0.7,
+        top_p=1.0,
+        max_tokens=8,
+    ).save(path)
+
+
 def test_cli_rejects_bad_serve_config_before_starting(capsys, tmp_path):
     assert main(["serve", "--config", str(SERVE_TINY), "--set", "http.bogus=1"]) == 2
     assert "http.bogus: unknown key" in capsys.readouterr().err
@@ -807,16 +821,7 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_fr
     (the updater's policy rank too)."""
     import signal
 
-    cal = Calibration(
-        calibrator=Calibrator([0.0, 1.0], [0.05, 0.3]),
-        raw_scores=[0.0, 1.0],
-        passed=[True, False],
-        k=2,
-        temperature=0.7,
-        top_p=1.0,
-        max_tokens=8,
-    )
-    cal.save(tmp_path / "cal.json")
+    save_small_calibration(tmp_path / "cal.json")
     (port,) = pick_free_ports(1)
     sets = [
         f"model.path={sft_model}",
@@ -873,15 +878,7 @@ def test_a_background_deployment_serves_until_stopped(
     import subprocess
     import sys
 
-    Calibration(
-        calibrator=Calibrator([0.0, 1.0], [0.05, 0.3]),
-        raw_scores=[0.0, 1.0],
-        passed=[True, False],
-        k=2,
-        temperature=0.7,
-        top_p=1.0,
-        max_tokens=8,
-    ).save(tmp_path / "cal.json")
+    save_small_calibration(tmp_path / "cal.json")
     (port,) = pick_free_ports(1)
     overrides = {
         "model.path": str(sft_model),
