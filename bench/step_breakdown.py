@@ -12,7 +12,7 @@ correctness, not a speed-up).
     .venv/bin/python bench/step_breakdown.py --preset smollm2 --steps 4
     .venv/bin/python bench/step_breakdown.py --preset smollm2 --steps 4 --off-policy 1 2
 
-`--off-policy` adds modes that generate step t+1 while step t trains (`run.off_policy_steps: 1`),
+`--off-policy` adds modes that generate step t+1 while step t trains (`run.max_staleness: 1`),
 their actors with the given torch threads each (1 on 2 cores: generation and training split the
 cores); in such a step "generate" ran during the step before and is not part of its time.
 """
@@ -38,7 +38,7 @@ PARTS = (
     "time_generate",
     "time_verify",
     "time_train",
-    "time_wait_ahead",
+    "time_wait_rollouts",
     "time_sync",
     "time_overhead",
     "time_step",
@@ -100,7 +100,7 @@ def run(
                 [
                     *base,
                     *layout_overrides("1x1", share),
-                    "run.off_policy_steps=1",
+                    "run.max_staleness=1",
                     f"resources.torch_threads={threads}",
                     f"run.name={cfg.run.name}-off-policy-{threads}t",
                 ],
@@ -168,7 +168,7 @@ def main() -> None:
         nargs="*",
         default=[],
         metavar="THREADS",
-        help="modes with run.off_policy_steps=1 and THREADS torch threads per actor (1: split cores)",
+        help="modes with run.max_staleness=1 and THREADS torch threads per actor (1: split cores)",
     )
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"), help="where the JSON result goes")
     args = ap.parse_args()

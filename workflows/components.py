@@ -89,10 +89,10 @@ class Components:
 def torch_threads(cfg: Config, concurrent: int = 1) -> int:
     """Torch threads per model actor: `resources.torch_threads`, else this machine's cores shared
     by the `concurrent` actors of one role that compute at once (policy ranks train together,
-    engines generate together; the phases of a step take turns). With `run.off_policy_steps`
+    engines generate together; the phases of a step take turns). With `run.max_staleness`
     the engines generate while the ranks train, so every rank and engine shares the cores
     (oversubscribed threads made the overlapped step 2x slower: bench/step_breakdown.py)."""
-    if cfg.run.off_policy_steps:
+    if cfg.run.max_staleness:
         concurrent = cfg.resources.policy_ranks + cfg.resources.generator_engines
     return cfg.resources.torch_threads or max(1, (os.cpu_count() or 1) // concurrent)
 
@@ -195,11 +195,11 @@ def allocator_env(r: ResourcesConfig) -> dict[str, str]:
 def sleep_level(cfg: Config) -> int | None:
     """vLLM's sleep level while the policy trains, else None: engines colocated with their ranks
     on GPUs, and CPU engines, whose host memory the update shares (they free their KV cache:
-    `VLLMBackend.sleep`), unless they sample during the update (run.off_policy_steps 1)."""
+    `VLLMBackend.sleep`), unless they sample during the update (run.max_staleness above 0)."""
     r = cfg.resources
     if cfg.generation.backend != "vllm" or r.engine_sleep == "off":
         return None
-    cpu_engines = r.generator_gpus == 0 and cfg.run.off_policy_steps == 0
+    cpu_engines = r.generator_gpus == 0 and cfg.run.max_staleness == 0
     if not (r.engines_sleep or cpu_engines):
         return None
     return {"offload": 1, "discard": 2}[r.engine_sleep]

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,8 @@ from rlvr.tasks.prompts import render_prompt
 from rlvr.tasks.sampler import PromptSampler
 from rlvr.training.batch import TrainBatch, rows_that_train
 from rlvr.training.losses import policy_loss
-from workflows.ahead import AheadCollector
 from workflows.components import Components, start_components
+from workflows.rollout_pipeline import RolloutPipeline
 from workflows.services import RunServices
 from workflows.stopping import stop_if_asked
 from workflows.workers import ActorFailure
@@ -102,9 +103,21 @@ class Trainer:
             sampler=self.sampler,
         )
         self.method.start(self.services)
-        self.ahead = (
-            AheadCollector(self.method, self.services) if self.cfg.run.off_policy_steps else None
+        run = self.cfg.run
+        self.pipeline = (
+            RolloutPipeline(
+                self.method, self.services, run.max_staleness, run.steps, self._pipeline_batch
+            )
+            if run.max_staleness
+            else None
         )
+        self.version = 0
+        """The policy version (updates applied) the policy holds."""
+
+    def _pipeline_batch(self, step: int) -> tuple[list[Problem], SamplingParams, int]:
+        """What the pipeline collects for step `step`: the fixed group size (all that a method
+        that `overlaps_generation` takes from the plan)."""
+        return self.sampler.batch(step), self.sampling_params(step), self.cfg.generation.group_size
 
     def sampling_params(self, step: int) -> SamplingParams:
         """The training sampler of step `step`."""
@@ -118,7 +131,10 @@ class Trainer:
         params = g.sampling_params(EVAL_SEED, temperature=g.eval_temperature, top_p=1.0)
         n = {p.id: g.eval_samples for p in self.test_problems}
         t0 = time.perf_counter()
-        rollouts = self.services.generate(self.test_problems, n, params, step)
+        pipeline = self.pipeline if self.pipeline and self.pipeline.feed else None
+        with pipeline.engines_at(self.version, step) if pipeline else nullcontext():
+            rollouts = self.services.generate(self.test_problems, n, params, step)
+            method_stats = self.method.evaluate(self.services, self.test_problems, params, step)
         self.services.verify(rollouts)
         uncomputed = uncomputed_stats(
             rollouts.statuses, self.cfg.verifier.max_uncomputed_share, f"evaluation at step {step}"
@@ -133,7 +149,7 @@ class Trainer:
             **{f"eval_{k}": v for k, v in uncomputed.items()},
             **{f"eval_{k}": v for k, v in reward_part_stats(rollouts.reward_parts).items()},
         }
-        record.update(self.method.evaluate(self.services, self.test_problems, params, step))
+        record.update(method_stats)
         record["eval_seconds"] = time.perf_counter() - t0
         record["best_metric"] = self.method.best_metric
         self.run.append_eval(record)
@@ -149,13 +165,21 @@ class Trainer:
 
         with timed(times, "time_plan"):
             plan = comps.controller.plan_step(step, [p.id for p in problems])
-        ahead = self.ahead.take(step, plan["n"]) if self.ahead else None
-        if ahead is None:
+        ahead = None
+        if self.pipeline:
+            if self.pipeline.feed is None:  # the engines hold self.version: start from there
+                self.pipeline.start(self.comps.sync, self.sync_weights, self.version)
+            self.pipeline.fill(step)
+            ready = self.pipeline.ready()
+            with timed(times, "time_wait_rollouts"):
+                ahead = self.pipeline.take(step, plan["n"])
+            got = ahead.collected
+        else:
+            t_collect = time.perf_counter()
             got = method.collect(
                 self.services, problems, plan, self.sampling_params(step), step, times
             )
-        else:
-            got = ahead.collected
+            engine_busy = time.perf_counter() - t_collect
         # before the update: a step whose rewards are damaged must not train
         uncomputed = uncomputed_stats(
             got.rollouts.statuses, cfg.verifier.max_uncomputed_share, f"step {step}"
@@ -163,20 +187,17 @@ class Trainer:
         batch, shape_stats = (
             method.shape(self.services, got.trained, plan, step) if len(got.trained) else (None, {})
         )
-        if self.ahead and step + 1 < cfg.run.steps:
-            # step t+1's rollouts, on the weights before this step's update, while it trains
-            nxt = step + 1
-            self.ahead.launch(
-                nxt, self.sampler.batch(nxt), self.sampling_params(nxt), cfg.generation.group_size
-            )
         with timed(times, "time_train"):
             train_stats = self.train(batch, len(got.trained), step)
         logprob_sums = train_stats.pop("logprob_sums", None)
-        if self.ahead:
-            with timed(times, "time_wait_ahead"):
-                self.ahead.wait()
+        self.version = step + 1
         with timed(times, "time_sync"):
-            self.sync_weights(step)
+            if self.pipeline:
+                # a snapshot for the batches that wait for it, or (pushed) once the engines
+                # have collected every batch of older versions
+                self.pipeline.publish(self.version, step)
+            else:
+                self.sync_weights(step)
 
         metrics: dict[str, Any] = {"step": step, "epoch": self.sampler.epoch_of(step)}
         rollouts = got.rollouts
@@ -189,15 +210,23 @@ class Trainer:
         metrics.update(got.stats)
         metrics.update({f"train_{k}": v for k, v in train_stats.items()})
         metrics.update(method.observe(self.services, rollouts, step, logprob_sums, times))
-        total = time.perf_counter() - t_start
+        t_end = time.perf_counter()
+        total = t_end - t_start
         metrics.update(times)
         metrics["time_step"] = total
         metrics["time_overhead"] = total - sum(times.values())
         if ahead is not None:
-            # this step's rollouts were collected during the last one: their seconds are
-            # reported, but they are not part of this step's time
+            # this step's rollouts were collected in the pipeline: their seconds are reported,
+            # but they are not part of this step's time
             metrics.update(ahead.times)
-        metrics["rollouts_collected_ahead"] = int(ahead is not None)
+            metrics["pipeline_ready_batches"] = ready
+            metrics["busy_share_engines"] = self.pipeline.engines_busy_share(t_start, t_end)
+        else:
+            metrics["busy_share_engines"] = engine_busy / total
+        metrics["busy_share_policy"] = times["time_train"] / total
+        sampled_by = ahead.version if ahead is not None else step
+        metrics["rollout_policy_version"] = sampled_by
+        metrics["rollout_staleness"] = step - sampled_by
         metrics["tokens_per_s"] = metrics["tokens_generated"] / max(metrics["time_generate"], 1e-9)
 
         comps.controller.observe_step(
@@ -259,8 +288,8 @@ class Trainer:
                 "best_metric": self.method.best_metric,
             }
             atomic_write_text(d / "progress.json", json.dumps(progress))
-            if self.ahead:
-                self.ahead.save(d)
+            if self.pipeline:
+                self.pipeline.save(d, self.version)
         self.run.prune(self.cfg.run.keep_last, keep={best_step} if best_step is not None else set())
 
     def restore(self, step: int) -> int | None:
@@ -278,8 +307,9 @@ class Trainer:
             )
         self.comps.policy.load_state(str(d / "policy"))
         self.comps.controller.load_state_dict(json.loads((d / "controller.json").read_text()))
-        if self.ahead:
-            self.ahead.load(d)
+        if self.pipeline:
+            self.pipeline.load(d, step)
+        self.version = step + 1
         return progress["best_step"]
 
 
@@ -534,8 +564,8 @@ def _train_after(
         return summary
     finally:
         comps.shutdown()
-        if trainer.ahead:
-            trainer.ahead.close()
+        if trainer.pipeline:
+            trainer.pipeline.close()
 
 
 def load_run_config(run_path: Path) -> Config:

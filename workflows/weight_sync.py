@@ -54,16 +54,24 @@ class ObjectStoreSync:
         self.generator = generator
 
     def push(self, step: int | None = None) -> int:
+        return self.load(self.export(step), step)
+
+    def export(self, step: int | None = None) -> Any:
+        """Rank 0's export of the policy's current weights, held by the object store (the
+        driver never fetches it): a snapshot engines may load later (`run.max_staleness`)."""
         ranks = _labelled(self.policy.workers)
         exports = [worker.call("export_weights") for _, worker in ranks]
-        engines = _labelled(self.generator.workers)
-        loads = [worker.call("update_weights", exports[0]) for _, worker in engines]
         # Rank 0's export is not resolved here (that would copy it into the driver): its failure
         # reaches every engine's load, which reports it.
-        calls = [(*ranks[i], exports[i]) for i in range(1, len(ranks))]
-        calls += [(*engine, load) for engine, load in zip(engines, loads, strict=True)]
-        versions = _resolve(calls, step)[len(ranks) - 1 :]
-        return _adopt_version(self.generator, versions)
+        _resolve([(*ranks[i], exports[i]) for i in range(1, len(ranks))], step)
+        return exports[0]
+
+    def load(self, snapshot: Any, step: int | None = None) -> int:
+        """Every engine loads an `export`; returns their new weight version."""
+        engines = _labelled(self.generator.workers)
+        loads = [worker.call("update_weights", snapshot) for _, worker in engines]
+        calls = [(*engine, load) for engine, load in zip(engines, loads, strict=True)]
+        return _adopt_version(self.generator, _resolve(calls, step))
 
     def close(self) -> None:
         """Nothing to release: each push is self-contained."""
@@ -173,7 +181,8 @@ class ColocatedSync:
 def make_weight_sync(cfg: Config, policy: Any, generator: Any) -> WeightSync:
     """The sync `cfg.sync.transport` names; "auto" is the colocated hand-over when ranks and
     engines are colocated, the object store for in-process workers and the collective broadcast
-    otherwise, one CPU engine included: a push through the object store leaves a model-sized
+    otherwise, one CPU engine included (with `run.max_staleness` >= 2, the object store, whose
+    exports the engines load as snapshots): a push through the object store leaves a model-sized
     copy of shared memory resident (the store keeps the pages it once used) and, on CPU, is also
     the slower of the two (bench/out/weight_sync/cpu.md)."""
     transport = cfg.sync.transport
@@ -182,6 +191,8 @@ def make_weight_sync(cfg: Config, policy: Any, generator: Any) -> WeightSync:
         transport = "collective" if actors else "object_store"
         if actors and cfg.resources.colocate:
             transport = "colocated"
+        if cfg.run.max_staleness >= 2:
+            transport = "object_store"  # engines load held snapshots of older versions
     if transport == "object_store":
         return ObjectStoreSync(policy, generator)
     bucket_bytes = int(cfg.sync.bucket_mb * 2**20)

@@ -769,7 +769,7 @@ class ResourcesConfig(Section):
             "to host memory, KV cache freed), discard (level 2: both freed; the sync rewrites "
             "every weight), off. CPU engines free their KV cache around every update at either "
             "level (vLLM's sleep mode needs a GPU; their weights stay), unless "
-            "run.off_policy_steps is 1 (they sample during the update)."
+            "run.max_staleness is above 0 (they sample during the update)."
         ),
     )
 
@@ -968,6 +968,11 @@ class EnvConfig(Section):
         )
 
 
+RENAMED_OFF_POLICY_STEPS = (
+    "off_policy_steps is now run.max_staleness (off_policy_steps: 1 is max_staleness: 1)"
+)
+
+
 class RunConfig(Section):
     name: str = Field(
         "run", min_length=1, description="Run name (used for the run directory and actor names)."
@@ -991,15 +996,29 @@ class RunConfig(Section):
         "committed step and redoes the step in flight, ending as an uninterrupted run would. "
         "One more stops the run with a committed state to resume.",
     )
-    off_policy_steps: Literal[0, 1] = Field(
+    max_staleness: int = Field(
         0,
+        ge=0,
+        le=16,
         description=(
-            "1: generate step t+1's rollouts while step t trains, with the weights before step "
-            "t's update (one step stale; the engine importance weights of training.engine_is "
-            "correct for it); separate devices hide generation this way. 0: every step's rollouts "
-            "come from the weights it trains."
+            "k: step t trains on rollouts sampled by policy version max(0, t - k) (the weights "
+            "after that many updates), which the engines generate in a background pipeline "
+            "while the policy trains; the engine importance weights of training.engine_is "
+            "correct for the lag. 0: every step's rollouts come from the weights it trains "
+            "(synchronous). 1: the next step's rollouts are sampled during this step's update. "
+            "k >= 2 keeps up to k batches ahead, the engines loading held snapshots of the "
+            "policy (sync.transport object_store, which auto then picks)."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_off_policy_steps(cls, data: Any) -> Any:
+        # run.off_policy_steps: 1 became run.max_staleness: 1; say so instead of "unknown key"
+        if isinstance(data, dict) and "off_policy_steps" in data:
+            raise ValueError(RENAMED_OFF_POLICY_STEPS)
+        return data
+
     loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["tensorboard"],
         description=(
@@ -1083,8 +1102,8 @@ class Config(Section):
                 "resources.colocate places on one GPU, in one NCCL group, and NCCL refuses two "
                 "ranks on one device; use colocated (or auto)"
             )
-        if self.run.off_policy_steps:
-            self._check_off_policy()
+        if self.run.max_staleness:
+            self._check_staleness()
         spec = method_spec(self.algorithm.name)
         if self.env.multi_turn and spec.single_turn:
             raise ValueError(
@@ -1099,23 +1118,32 @@ class Config(Section):
             spec.check(self)
         return self
 
-    def _check_off_policy(self) -> None:
+    def _check_staleness(self) -> None:
+        k = self.run.max_staleness
         if not method_spec(self.algorithm.name).overlaps_generation:
             raise ValueError(
-                f"run.off_policy_steps: {self.algorithm.name} plans each step's rollouts from "
-                "the step before it, so the next step's cannot be generated ahead; use 0"
+                f"run.max_staleness: {self.algorithm.name} plans each step's rollouts from "
+                "the step before it, so later steps' cannot be generated ahead; use 0"
             )
         if self.training.engine_is == "off":
             raise ValueError(
-                "run.off_policy_steps: 1 trains on rollouts sampled by the weights before the "
-                "last update, and with training.engine_is: off nothing corrects for it (the PPO "
-                "ratio starts from the trainer's own weights); set training.engine_is: tis or mask"
+                f"run.max_staleness: {k} trains on rollouts sampled by weights up to {k} "
+                "update(s) old, and with training.engine_is: off nothing corrects for it (the "
+                "PPO ratio starts from the trainer's own weights); set training.engine_is: tis "
+                "or mask"
             )
         if self.resources.colocate:
             raise ValueError(
-                "run.off_policy_steps: with resources.colocate each engine shares its rank's "
+                "run.max_staleness: with resources.colocate each engine shares its rank's "
                 "device and sleeps while the rank trains, so generation cannot overlap training; "
                 "use 0"
+            )
+        if k >= 2 and self.sync.transport in ("collective", "colocated"):
+            raise ValueError(
+                f"run.max_staleness: {k} lets the engines load a policy version while the "
+                "policy has moved on, from a snapshot the object store holds; "
+                f"sync.transport: {self.sync.transport} pushes only the current weights. Use "
+                "sync.transport: object_store (or auto)"
             )
 
     def _check_tensor_parallel(self) -> None:
@@ -1188,10 +1216,12 @@ def _method_named(data: dict[str, Any]) -> str:
 
 def _unknown_key(dotted: str, path: list[str]) -> str:
     """The error for an unknown key `dotted` of the override `path`; the old per-method switches
-    (`algorithm.<method>.enabled`) say what replaced them."""
+    (`algorithm.<method>.enabled`) and `run.off_policy_steps` say what replaced them."""
     old_switch = path[0] == "algorithm" and path[2:] == ["enabled"]
     if old_switch and path[1] in OLD_METHOD_SWITCHES:
         return _old_switch_error(path[1], "=")
+    if path == ["run", "off_policy_steps"]:
+        return f"{dotted}: {RENAMED_OFF_POLICY_STEPS}"
     return f"{dotted}: unknown key"
 
 

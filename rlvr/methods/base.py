@@ -128,7 +128,7 @@ class Method:
     needs_logprob_sums: ClassVar[bool] = False
     """Whether `observe` needs each rollout's summed trainer log-prob from the update."""
     overlaps_generation: ClassVar[bool] = True
-    """Whether step t+1's rollouts may be collected while step t trains (`run.off_policy_steps`):
+    """Whether later steps' rollouts may be collected while step t trains (`run.max_staleness`):
     its `collect` needs only the fixed group size from the plan, never state `observe` updates."""
 
     def __init__(self, cfg: Config) -> None:

@@ -284,7 +284,7 @@ def test_colocated_engines_sleep_once_and_wake_weights_before_kv_cache():
         ([], 1),  # CPU engines free their KV cache while the policy updates
         (["resources.engine_sleep=discard"], 2),
         (["resources.engine_sleep=off"], None),
-        (["run.off_policy_steps=1"], None),  # they sample during the update
+        (["run.max_staleness=1"], None),  # they sample during the update
         (["generation.backend=hf"], None),
     ],
 )

@@ -126,7 +126,7 @@ def tiny_config() -> Path:
     return TINY
 
 
-TIMING_KEYS = ("time_", "tokens_per_s", "eval_seconds")
+TIMING_KEYS = ("time_", "tokens_per_s", "eval_seconds", "busy_share_", "pipeline_ready_batches")
 
 
 def deterministic(record: dict) -> dict:

@@ -61,39 +61,43 @@ def test_run_directory_contents(tiny_run_dir, logger_stores):
     assert summary["eval_before"]["step"] == -1
 
 
-def test_off_policy_run_resumes_exactly(
+def test_a_run_with_stale_rollouts_resumes_exactly(
     tmp_path, run_cli, tiny_train_args, run_records, assert_same_weights, run_control
 ):
-    """run.off_policy_steps=1: each later step trains on rollouts collected while the step before
-    it trained. Killed once step 0 commits (its checkpoint holds step 1's rollouts), the resumed
-    run ends bit-identical to the uninterrupted one. The reward is math's plus half a format
-    plug-in's (verifier.rewards), each logged apart."""
-    extra = ("run.steps=3", "run.off_policy_steps=1", WEIGHTED_REWARDS)
+    """run.max_staleness=2: step t trains on rollouts sampled by policy version max(0, t - 2),
+    collected in the background pipeline from snapshots of the policy. Killed once step 0
+    commits (its checkpoint holds steps 1 and 2's rollouts, of version 0; step 3's are sampled
+    after the resume from the checkpoint's own weights), the resumed run ends bit-identical to
+    the uninterrupted one. The reward is math's plus half a format plug-in's (verifier.rewards),
+    each logged apart."""
+    extra = ("run.steps=4", "run.max_staleness=2", WEIGHTED_REWARDS)
     full = run_cli(tiny_train_args(tmp_path / "a", *extra))
     log, _ = full.communicate(timeout=900)
     assert full.returncode == 0, log[-4000:]
     proc = run_cli(tiny_train_args(tmp_path / "b", *extra))
     ckpt = tmp_path / "b" / "full" / "checkpoints" / "step_000000"
     run_control.kill_driver_after_commit(proc, ckpt)
-    assert (ckpt / "ahead.pkl").is_file()
+    assert (ckpt / "pipeline.pkl").is_file()
     resumed = run_cli(["train", "--resume", str(tmp_path / "b" / "full")])
     log, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, log[-4000:]
 
-    a = [
-        json.loads(x) for x in (tmp_path / "a" / "full" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert [m["rollouts_collected_ahead"] for m in a] == [0, 1, 1]
+    run_a = tmp_path / "a" / "full"
+    a = [json.loads(x) for x in (run_a / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout_policy_version"] for m in a] == [0, 0, 0, 1]
+    assert [m["rollout_staleness"] for m in a] == [0, 1, 2, 2]
+    assert json.loads((run_a / "layout.json").read_text())["weight_sync"] == "object_store"
     for m in a:
         parts = m["reward/math_mean"] + 0.5 * m["reward/boxed_format_mean"]
         assert m["reward_mean"] == pytest.approx(parts, abs=1e-12)
-    for m in a[1:]:
-        # collected during the step before: not part of this step's time
-        assert m["time_generate"] > 0 and m["time_wait_ahead"] >= 0
+        # collected in the pipeline: not part of this step's time
+        assert m["time_generate"] > 0 and m["time_wait_rollouts"] >= 0
+        assert 0 <= m["busy_share_engines"] <= 1 and 0 < m["busy_share_policy"] <= 1
     runs = [tmp_path / d / "full" for d in ("a", "b")]
     assert run_records(runs[0], "metrics.jsonl") == run_records(runs[1], "metrics.jsonl")
-    last = tmp_path / "a" / "full" / "checkpoints" / "step_000002"
-    assert not (last / "ahead.pkl").exists()  # the last step collects nothing ahead
+    assert run_records(runs[0], "rollouts.jsonl") == run_records(runs[1], "rollouts.jsonl")
+    last = run_a / "checkpoints" / "step_000003"
+    assert not (last / "pipeline.pkl").exists()  # the last step collects nothing ahead
     assert_same_weights(*runs)
 
 

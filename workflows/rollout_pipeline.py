@@ -1,0 +1,297 @@
+"""Rollouts generated ahead of training under a staleness bound (`run.max_staleness: k`).
+
+Step s trains on rollouts sampled by policy version `max(0, s - k)` (the weights after that many
+updates): a fixed lag, so which weights sampled what never depends on timing, and a resumed run
+samples exactly what the uninterrupted one did. One background thread collects the batches in
+step order, each as soon as its version exists, up to k steps ahead of the step training; the
+engines are one shared resource, held (`engines`) while a batch loads its version and collects,
+and while the driver evaluates on the current weights.
+
+How a version reaches the engines (`VersionFeed`): `SnapshotFeed` holds each version's export in
+the object store until the batches that need it have loaded it, so the engines move on while the
+policy trains (k >= 2 needs it); `PushFeed` pushes the current weights (any transport) once every
+batch of older versions is collected, which for k = 1 overlaps one step's generation with the
+next step's update and nothing more. A committed step's checkpoint holds the finished batches of
+the versions before its own; the first batch of its own version is collected again on resume.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from rlvr.generation.base import SamplingParams
+from rlvr.methods.base import Collected, Method, StepServices
+from rlvr.tasks.base import Problem
+
+PIPELINE_FILE = "pipeline.pkl"
+
+
+class PipelineClosed(RuntimeError):
+    """The pipeline closed while a batch waited for its version (the run is stopping)."""
+
+
+def sampling_version(step: int, max_staleness: int) -> int:
+    """The policy version that samples step `step`'s rollouts under the fixed lag."""
+    return max(0, step - max_staleness)
+
+
+@dataclass
+class Batch:
+    """Step `step`'s rollouts: `n` per prompt id, sampled by policy `version`; the seconds of
+    their phases, the wall-clock span of their collection, and the result (a future until it is
+    collected)."""
+
+    step: int
+    version: int
+    n: dict[str, int]
+    times: dict[str, float] = field(default_factory=dict)
+    span: tuple[float, float] = (0.0, 0.0)
+    collected: Collected | None = None
+    future: Future | None = None
+
+    def finish(self) -> None:
+        """Wait for the collection (re-raising its error) and keep its result."""
+        if self.future is not None:
+            self.collected, self.future = self.future.result(), None
+
+    @property
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+
+class VersionFeed(Protocol):
+    """How policy versions reach the engines."""
+
+    def publish(self, version: int, step: int | None) -> None:
+        """The policy now holds `version` (driver thread, after an update)."""
+        ...
+
+    def wait_for(self, version: int, closed: threading.Event) -> None:
+        """Block until `version` can be loaded (pipeline thread, engines not held)."""
+        ...
+
+    def load(self, version: int, step: int | None) -> None:
+        """Make the engines hold `version` (engines held)."""
+        ...
+
+
+class _Versions:
+    """The newest published version, which threads wait on."""
+
+    def __init__(self) -> None:
+        self.published = -1
+        self.changed = threading.Condition()
+
+    def set(self, version: int) -> None:
+        with self.changed:
+            self.published = version
+            self.changed.notify_all()
+
+    def wait_for(self, version: int, closed: threading.Event) -> None:
+        with self.changed:
+            while self.published < version:
+                if closed.is_set():
+                    raise PipelineClosed(f"closed while waiting for policy version {version}")
+                self.changed.wait(timeout=0.5)
+
+
+class SnapshotFeed:
+    """Each published version is exported into the object store (`ObjectStoreSync.export`) and
+    held until a later batch's version replaces it on the engines."""
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+        self.versions = _Versions()
+        self.snapshots: dict[int, Any] = {}
+        self.loaded: int | None = None
+
+    def start(self, version: int, step: int | None) -> None:
+        """The engines already hold `version` (their first weights, or a resumed checkpoint's)."""
+        self.loaded = version
+        self.publish(version, step)
+
+    def publish(self, version: int, step: int | None) -> None:
+        self.snapshots[version] = self.sync.export(step)
+        self.versions.set(version)
+
+    def wait_for(self, version: int, closed: threading.Event) -> None:
+        self.versions.wait_for(version, closed)
+
+    def load(self, version: int, step: int | None) -> None:
+        if self.loaded != version:
+            self.sync.load(self.snapshots[version], step)
+            self.loaded = version
+
+    def release_before(self, version: int) -> None:
+        """Drop the snapshots no batch will load again (versions below `version`)."""
+        for old in [v for v in self.snapshots if v < version]:
+            del self.snapshots[old]
+
+
+class PushFeed:
+    """The current weights are pushed (`push`: the run's weight sync) once every batch sampled
+    by an older version is collected (`collected_before`), while the engines are idle."""
+
+    def __init__(
+        self,
+        push: Callable[[int | None], None],
+        collected_before: Callable[[int], Any],
+        engines: threading.RLock,
+    ) -> None:
+        self.push = push
+        self.collected_before = collected_before
+        self.engines = engines
+        self.versions = _Versions()
+        self.loaded: int | None = None
+
+    def start(self, version: int, step: int | None) -> None:
+        self.loaded = version
+        self.versions.set(version)
+
+    def publish(self, version: int, step: int | None) -> None:
+        self.collected_before(version)
+        with self.engines:
+            self.push(step)
+        self.loaded = version
+        self.versions.set(version)
+
+    def wait_for(self, version: int, closed: threading.Event) -> None:
+        self.versions.wait_for(version, closed)
+
+    def load(self, version: int, step: int | None) -> None:
+        if self.loaded != version:
+            raise RuntimeError(f"the engines hold policy version {self.loaded}, not {version}")
+
+    def release_before(self, version: int) -> None:
+        """Nothing held."""
+
+
+class RolloutPipeline:
+    """Collects steps' rollouts in one background thread, each on its fixed-lag version."""
+
+    def __init__(
+        self,
+        method: Method,
+        services: StepServices,
+        max_staleness: int,
+        steps: int,
+        batch_of: Callable[[int], tuple[list[Problem], SamplingParams, int]],
+    ) -> None:
+        """`batch_of(step)` gives the step's problems, sampling params and group size."""
+        self.method, self.services = method, services
+        self.k, self.steps, self.batch_of = max_staleness, steps, batch_of
+        self.feed: SnapshotFeed | PushFeed | None = None
+        self.batches: dict[int, Batch] = {}
+        self.submitted_through = -1
+        self.engines = threading.RLock()
+        self.busy: list[tuple[float, float]] = []
+        self._busy_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-pipeline")
+
+    def start(self, sync: Any, push: Callable[[int | None], None], version: int) -> None:
+        """Begin with the engines holding policy `version` (their first weights, or a resumed
+        checkpoint's): versions reach them as snapshots when `sync` (the run's weight sync) can
+        export one, else by `push`."""
+        if hasattr(sync, "export"):
+            self.feed = SnapshotFeed(sync)
+        else:
+            self.feed = PushFeed(push, self.collected_before, self.engines)
+        self.feed.start(version, None)
+
+    def fill(self, step: int) -> None:
+        """Submit every batch through step + k (the run's last step at most) not yet submitted."""
+        for s in range(self.submitted_through + 1, min(step + self.k, self.steps - 1) + 1):
+            problems, params, group_size = self.batch_of(s)
+            batch = Batch(s, sampling_version(s, self.k), {p.id: group_size for p in problems})
+            plan = {"step": s, "n": batch.n}
+            batch.future = self._pool.submit(self._collect, batch, problems, plan, params)
+            self.batches[s] = batch
+            self.submitted_through = s
+
+    def _collect(
+        self, batch: Batch, problems: list[Problem], plan: dict, params: SamplingParams
+    ) -> Collected:
+        assert self.feed is not None
+        self.feed.wait_for(batch.version, self._closed)
+        with self.engines:
+            t0 = time.perf_counter()
+            self.feed.load(batch.version, batch.step)
+            self.feed.release_before(batch.version)
+            got = self.method.collect(
+                self.services, problems, plan, params, batch.step, batch.times
+            )
+            batch.span = (t0, time.perf_counter())
+        with self._busy_lock:
+            self.busy.append(batch.span)
+        return got
+
+    def ready(self) -> int:
+        """Batches collected and not yet taken."""
+        return sum(1 for b in self.batches.values() if b.done)
+
+    def take(self, step: int, plan_n: dict[str, int]) -> Batch:
+        """Step `step`'s batch, waiting for its collection."""
+        batch = self.batches.pop(step)
+        batch.finish()
+        if batch.n != plan_n:
+            raise RuntimeError(
+                f"step {step}: the controller planned {plan_n} rollouts but {batch.n} were "
+                "collected ahead"
+            )
+        return batch
+
+    def collected_before(self, version: int) -> list[int]:
+        """Wait until every submitted batch sampled by a version below `version` is collected;
+        returns their steps."""
+        steps = [s for s in sorted(self.batches) if self.batches[s].version < version]
+        for s in steps:
+            self.batches[s].finish()
+        return steps
+
+    def publish(self, version: int, step: int | None) -> None:
+        """The policy now holds `version` (after step `version - 1`'s update)."""
+        assert self.feed is not None
+        self.feed.publish(version, step)
+
+    @contextmanager
+    def engines_at(self, version: int, step: int | None) -> Iterator[None]:
+        """Hold the engines with policy `version` loaded (the driver's evaluation)."""
+        assert self.feed is not None
+        with self.engines:
+            self.feed.load(version, step)
+            yield
+
+    def engines_busy_share(self, start: float, end: float) -> float:
+        """Share of [start, end] the pipeline spent loading versions and collecting."""
+        with self._busy_lock:
+            busy = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.busy)
+            self.busy = [(a, b) for a, b in self.busy if b > start]
+        return busy / max(end - start, 1e-9)
+
+    def save(self, directory: Path, version: int) -> None:
+        """Write the batches sampled by versions before `version` (the checkpoint's own), once
+        collected, into a checkpoint being committed."""
+        kept = self.collected_before(version)
+        if kept:
+            saved = {s: self.batches[s] for s in kept}
+            (directory / PIPELINE_FILE).write_bytes(pickle.dumps(saved))
+
+    def load(self, directory: Path, last_step: int) -> None:
+        """Take back the batches a committed checkpoint of `last_step` holds; the next ones are
+        collected from its weights."""
+        path = directory / PIPELINE_FILE
+        self.batches = pickle.loads(path.read_bytes()) if path.is_file() else {}
+        self.submitted_through = max(self.batches, default=last_step)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
