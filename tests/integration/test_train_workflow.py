@@ -67,9 +67,10 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
     """run.max_staleness=2: step t trains on rollouts sampled by policy version max(0, t - 2),
     collected in the background pipeline from snapshots of the policy. Killed once step 0
     commits (its checkpoint holds steps 1 and 2's rollouts, of version 0; step 3's are sampled
-    after the resume from the checkpoint's own weights), the resumed run ends bit-identical to
-    the uninterrupted one. The reward is math's plus half a format plug-in's (verifier.rewards),
-    each logged apart."""
+    after the resume from the checkpoint's own weights), then, resumed, its GeneratorActor
+    killed once step 1 commits (recovered within the run: the pipeline restarts from step 1's
+    checkpoint), the run ends bit-identical to the uninterrupted one. The reward is math's plus
+    half a format plug-in's (verifier.rewards), each logged apart."""
     extra = ("run.steps=4", "run.max_staleness=2", WEIGHTED_REWARDS)
     full = run_cli(tiny_train_args(tmp_path / "a", *extra))
     log, _ = full.communicate(timeout=900)
@@ -79,8 +80,11 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
     run_control.kill_driver_after_commit(proc, ckpt)
     assert (ckpt / "pipeline.pkl").is_file()
     resumed = run_cli(["train", "--resume", str(tmp_path / "b" / "full")])
+    run_control.wait_for_commit(resumed, ckpt.with_name("step_000001"), poll_s=0.01)
+    run_control.kill_actor(resumed, "GeneratorActor")
     log, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, log[-4000:]
+    assert log.count("recovering (") == 1, log[-4000:]
 
     run_a = tmp_path / "a" / "full"
     a = [json.loads(x) for x in (run_a / "metrics.jsonl").read_text().splitlines()]
@@ -94,8 +98,8 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
         assert m["time_generate"] > 0 and m["time_wait_rollouts"] >= 0
         assert 0 <= m["busy_share_engines"] <= 1 and 0 < m["busy_share_policy"] <= 1
     runs = [tmp_path / d / "full" for d in ("a", "b")]
-    assert run_records(runs[0], "metrics.jsonl") == run_records(runs[1], "metrics.jsonl")
-    assert run_records(runs[0], "rollouts.jsonl") == run_records(runs[1], "rollouts.jsonl")
+    for name in ("metrics.jsonl", "rollouts.jsonl", "eval.jsonl"):
+        assert run_records(runs[0], name) == run_records(runs[1], name), name
     last = run_a / "checkpoints" / "step_000003"
     assert not (last / "pipeline.pkl").exists()  # the last step collects nothing ahead
     assert_same_weights(*runs)
