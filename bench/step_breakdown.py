@@ -122,6 +122,8 @@ def run(
                     samples[mode].append(metrics)
         for trainer in trainers.values():
             trainer.comps.shutdown()
+            if trainer.pipeline:
+                trainer.pipeline.close()  # batches ahead of the last step wait for nothing more
     ray.shutdown()
     return {
         mode: {
