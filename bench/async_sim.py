@@ -35,7 +35,7 @@ import statistics
 import sys
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -353,6 +353,8 @@ def simulate_async(
                 engine.paused = False
                 reschedule(i)
             timeline.record(now, engine_busy, trainer["busy"], costs.sync_s)
+            if len(timeline.step_ends) == steps:
+                break
             trainer["state"] = "idle"
             admit_more(now)
             try_train(now)
@@ -371,3 +373,362 @@ def simulate(
     if max_staleness is None:
         return simulate_sync(lengths, layout, costs, steps)
     return simulate_async(lengths, layout, costs, steps, max_staleness, partial)
+
+
+# --- validation against this machine's measured runs -----------------------------------------
+
+
+@dataclass
+class MeasuredRun:
+    """A run directory's per-step timings and its groups' response lengths, in generation order."""
+
+    name: str
+    off_policy_steps: int
+    metrics: list[dict]
+    groups: np.ndarray  # [groups, group_size]
+
+    @classmethod
+    def load(cls, run_dir: Path) -> MeasuredRun:
+        import yaml
+
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        group_size = int(config["generation"]["group_size"])
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+        rows = [json.loads(line) for line in (run_dir / "rollouts.jsonl").open()]
+        lengths = [max(int(r["length"]), 1) for r in sorted(rows, key=lambda r: r["step"])]
+        if len(lengths) % group_size:
+            raise ValueError(f"{run_dir}: {len(lengths)} rollouts are not whole groups")
+        return cls(
+            run_dir.name,
+            int(config["run"].get("off_policy_steps", 0)),
+            metrics,
+            np.asarray(lengths).reshape(-1, group_size),
+        )
+
+    @property
+    def groups_per_step(self) -> int:
+        return len(self.groups) // len(self.metrics)
+
+    def collect_s(self, step: int) -> float:
+        """Seconds the engine spent collecting step `step`'s batch (generation + scoring)."""
+        m = self.metrics[step]
+        return m["time_generate"] + m.get("time_verify", 0.0)
+
+    def measured(self) -> dict[str, float]:
+        """Mean step time and shares over steps 1 .. n-2 (the first warms up; in a one-step-ahead
+        run the last collects nothing ahead). The engine's work in step t is batch t's collection,
+        or batch t+1's when it was collected ahead."""
+        steps = range(1, len(self.metrics) - 1)
+        ahead = 1 if self.off_policy_steps else 0
+        span = sum(self.metrics[t]["time_step"] for t in steps)
+        engine = sum(self.collect_s(t + ahead) for t in steps) / span
+        trainer = sum(self.metrics[t]["time_train"] for t in steps) / span
+        sync = sum(self.metrics[t]["time_sync"] for t in steps) / span
+        return {
+            "step_s": span / len(steps),
+            "engine_busy": engine,
+            "engine_idle": 1 - engine - sync,
+            "trainer_busy": trainer,
+            "trainer_idle": 1 - trainer - sync,
+            "sync": sync,
+        }
+
+    def fit_costs(self) -> Costs:
+        """Per-step costs fitted to this run's components (non-negative least squares): collection
+        ~ decode_step_s * longest sample + decode_token_s * tokens; training ~ train_step_s +
+        train_token_s * tokens; the weight sync (with the step's plan and overhead) its mean."""
+        from scipy.optimize import nnls
+
+        b, steps = self.groups_per_step, range(1, len(self.metrics) - 1)  # as `measured`
+        batches = [self.groups[t * b : (t + 1) * b] for t in steps]
+        longest = np.array([x.max() for x in batches], dtype=float)
+        tokens = np.array([x.sum() for x in batches], dtype=float)
+        collect = np.array([self.collect_s(t) for t in steps])
+        train = np.array([self.metrics[t]["time_train"] for t in steps])
+        (step_s, token_s), _ = nnls(np.stack([longest, tokens], 1), collect)
+        (fixed_s, train_token_s), _ = nnls(np.stack([np.ones_like(tokens), tokens], 1), train)
+        between = [
+            m["time_sync"] + m.get("time_plan", 0.0) + m.get("time_overhead", 0.0)
+            for m in (self.metrics[t] for t in steps)
+        ]
+        return Costs(step_s, token_s, 0.0, train_token_s, 0.0, fixed_s, statistics.mean(between))
+
+    def predict(self, costs: Costs) -> dict[str, float]:
+        """The model's step time and shares for this run's schedule, lengths and `costs`."""
+        layout = Layout(1, self.groups_per_step, self.groups.shape[1])
+        timeline = simulate(
+            Lengths(rows=self.groups),
+            layout,
+            costs,
+            len(self.metrics) - 1,
+            self.off_policy_steps if self.off_policy_steps else None,
+        )
+        return timeline.window(warmup=1)
+
+
+def validate(run_dirs: Sequence[Path], out: Path) -> str:
+    """Predicted against measured step times and idle shares of each run, with costs fitted to
+    the run itself (does the schedule hold?) and to the synchronous run (does a cluster-style
+    projection from synchronous costs hold here?)."""
+    runs = [MeasuredRun.load(Path(d)) for d in run_dirs]
+    sync_runs = [r for r in runs if not r.off_policy_steps]
+    if not sync_runs:
+        raise ValueError("validation needs a run with run.off_policy_steps 0 among the run dirs")
+    rows, data = [], []
+    for run in runs:
+        measured = run.measured()
+        for source in [run, *[s for s in sync_runs if s is not run]]:
+            predicted = run.predict(source.fit_costs())
+            error = predicted["step_s"] / measured["step_s"] - 1
+            rows.append(
+                [
+                    run.name,
+                    run.off_policy_steps,
+                    source.name,
+                    f"{measured['step_s']:.2f}",
+                    f"{predicted['step_s']:.2f}",
+                    f"{error:+.0%}",
+                    f"{measured['engine_idle']:.2f} / {predicted['engine_idle']:.2f}",
+                    f"{measured['trainer_idle']:.2f} / {predicted['trainer_idle']:.2f}",
+                ]
+            )
+            data.append(
+                {
+                    "run": run.name,
+                    "costs_from": source.name,
+                    "measured": measured,
+                    "predicted": predicted,
+                    "costs": source.fit_costs().__dict__,
+                }
+            )
+    header = [
+        "run",
+        "off-policy",
+        "costs from",
+        "step s",
+        "predicted",
+        "error",
+        "engine idle meas / pred",
+        "trainer idle meas / pred",
+    ]
+    text = (
+        "Measured against predicted (steps 1 .. n-2; one engine, one trainer)\n\n"
+        + markdown_table(header, rows)
+    )
+    write_results(out, "validation", text, data)
+    return text
+
+
+# --- projections for clusters -----------------------------------------------------------------
+
+QWEN3_4B = {  # the DUET paper's larger model (Qwen3-4B): the shape the projected costs come from
+    "model_type": "qwen3",
+    "hidden_size": 2560,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 9728,
+    "vocab_size": 151936,
+}
+H100_BF16 = 989e12  # dense bf16 FLOP/s (datasheet, as rlvr.run.mfu)
+H100_HBM = 3.35e12  # bytes/s
+PROMPT_TOKENS = 256
+
+
+def cluster_costs(engines: int, trainers: int) -> Costs:
+    """Costs of a Qwen3-4B step on H100s (one GPU per engine; the trainer pool data-parallel over
+    `trainers` GPUs), from the model's FLOPs and bytes and assumed efficiencies: decode steps read
+    the bf16 weights once (+1 ms launch overhead), each running token costs 2N FLOPs at 40% of
+    peak plus its KV cache read (~800 tokens of context); training runs 6N + a 2N old-log-prob
+    pass per token at 40% MFU; the weight sync takes 2 s."""
+    from rlvr.run.mfu import TransformerShape
+
+    shape = TransformerShape.from_hf_config(QWEN3_4B)
+    n = shape.matmul_params
+    kv_bytes = shape.layers * 2 * shape.kv_heads * shape.head_dim * 2 * 800
+    train_token = 8 * n / (0.4 * H100_BF16 * trainers)
+    return Costs(
+        decode_step_s=2 * n / H100_HBM + 1e-3,
+        decode_token_s=2 * n / (0.4 * H100_BF16) + kv_bytes / H100_HBM,
+        prefill_s=PROMPT_TOKENS * 2 * n / (0.5 * H100_BF16),
+        train_token_s=train_token,
+        train_sample_s=PROMPT_TOKENS * train_token,
+        train_step_s=0.5,
+        sync_s=2.0,
+    )
+
+
+def long_tail(rng: np.random.Generator, groups: int, group_size: int = 8) -> np.ndarray:
+    """DUET's 3,072-token regime as a lognormal clipped at 3,072: median 511 and mean 665, the
+    GRPO lengths of its Fig. 5c (sigma = sqrt(2 ln(665 / 511)) = 0.726)."""
+    sigma = math.sqrt(2 * math.log(665 / 511))
+    x = rng.lognormal(math.log(511), sigma, (groups, group_size))
+    return np.clip(np.rint(x), 1, 3072)
+
+
+def empirical(lengths: np.ndarray, group_size: int = 8) -> Callable:
+    """Groups resampled (with replacement) from measured response lengths."""
+
+    def draw(rng: np.random.Generator, groups: int) -> np.ndarray:
+        return rng.choice(lengths, size=(groups, group_size))
+
+    return draw
+
+
+MODES: tuple[tuple[str, int | None, bool], ...] = (
+    ("sync", None, False),
+    ("k=1", 1, False),
+    ("k=2", 2, False),
+    ("k=4", 4, False),
+    ("k=1 partial", 1, True),
+    ("k=2 partial", 2, True),
+    ("k=4 partial", 4, True),
+)
+SPLITS = (0.25, 0.5, 0.75)  # engines' share of the GPUs; each mode gets its best split
+
+
+def project(distributions: dict[str, Callable], gpus: Sequence[int], steps: int, out: Path) -> str:
+    """Trained samples per second of every mode (best engine/trainer split) against the split
+    synchronous mode and against a colocated synchronous mode (all GPUs generate, then all train)."""
+    rows, data = [], []
+    for dist, draw in distributions.items():
+        for g in gpus:
+            b = 16 * g  # DUET's 128 prompts x 8 per step on 8 GPUs, scaled with the GPUs
+            colocated = simulate_sync(
+                Lengths(draw=draw, seed=0), Layout(g, b, 8), cluster_costs(g, g), steps
+            ).window(2)["step_s"]
+            best: dict[str, tuple[float, float, dict]] = {}  # step s, engine share, window
+            for name, k, partial in MODES:
+                for share in SPLITS:
+                    e = max(1, round(g * share))
+                    timeline = simulate(
+                        Lengths(draw=draw, seed=0),
+                        Layout(e, b, 8),
+                        cluster_costs(e, g - e),
+                        steps,
+                        k,
+                        partial,
+                    )
+                    w = timeline.window(2) | {"dropped_per_step": timeline.dropped / steps}
+                    if name not in best or w["step_s"] < best[name][0]:
+                        best[name] = (w["step_s"], share, w)
+            sync_s = best["sync"][0]
+            for name, (step_s, share, w) in best.items():
+                rows.append(
+                    [
+                        dist,
+                        g,
+                        name,
+                        f"{share:.2f}",
+                        f"{step_s:.1f}",
+                        f"{w['dropped_per_step']:.1f}",
+                        f"{sync_s / step_s:.2f}x",
+                        f"{colocated / step_s:.2f}x",
+                        f"{w['engine_idle']:.2f}",
+                        f"{w['trainer_idle']:.2f}",
+                    ]
+                )
+                data.append(
+                    {
+                        "lengths": dist,
+                        "gpus": g,
+                        "mode": name,
+                        "engine_share": share,
+                        "step_s": step_s,
+                        "colocated_sync_step_s": colocated,
+                        **w,
+                    }
+                )
+    header = [
+        "lengths",
+        "GPUs",
+        "mode",
+        "engine share",
+        "step s",
+        "dropped groups/step",
+        "vs sync (split)",
+        "vs sync (colocated)",
+        "engine idle",
+        "trainer idle",
+    ]
+    text = (
+        f"Qwen3-4B on H100s, 16 prompts x 8 samples per GPU per step, mean step time over steps 2.."
+        f"{steps - 1}; published: {PUBLISHED}\n\n" + markdown_table(header, rows)
+    )
+    write_results(out, "projection", text, data)
+    plot(data, out / "projection.png")
+    return text
+
+
+def plot(data: list[dict], path: Path) -> None:
+    """Speed-up against the colocated synchronous mode per GPU count, one panel per length set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dists = sorted({d["lengths"] for d in data})
+    fig, axes = plt.subplots(1, len(dists), figsize=(6 * len(dists), 4), squeeze=False)
+    for ax, dist in zip(axes[0], dists, strict=True):
+        for name, _, _ in MODES:
+            pts = [d for d in data if d["lengths"] == dist and d["mode"] == name]
+            ax.plot(
+                [d["gpus"] for d in pts],
+                [d["colocated_sync_step_s"] / d["step_s"] for d in pts],
+                "o-",
+                label=name,
+            )
+        for label, lo, hi in (("AReaL", 2.77, 2.77), ("verl", 1.72, 2.67), ("ROLL", 2.24, 2.24)):
+            ax.axhspan(lo - 0.01, hi + 0.01, alpha=0.15)
+            ax.text(8, hi, f" {label}", fontsize=8, va="bottom")
+        ax.set(xscale="log", xlabel="GPUs", ylabel="throughput / colocated sync", title=dist)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Timeline model of synchronous against asynchronous rollouts (see the "
+        "module doc): validate it on measured runs, or project clusters."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="predict measured runs' step times and idle shares")
+    v.add_argument(
+        "run_dirs",
+        nargs="+",
+        type=Path,
+        help="run directories (metrics.jsonl, rollouts.jsonl, config.yaml); one with "
+        "run.off_policy_steps 0 gives the costs of the cross-mode prediction",
+    )
+    p = sub.add_parser("project", help="sync against async throughput for 8, 64, 512 GPUs")
+    p.add_argument(
+        "--rollouts",
+        nargs="+",
+        type=Path,
+        required=True,
+        help="rollouts.jsonl files whose response lengths are 'ours'",
+    )
+    p.add_argument("--gpus", nargs="+", type=int, default=[8, 64, 512])
+    p.add_argument("--steps", type=int, default=10, help="steps simulated per mode")
+    for s in (v, p):
+        s.add_argument("--out", type=Path, default=OUT, help="where tables and plots go")
+    args = parser.parse_args()
+    if args.command == "validate":
+        print(validate(args.run_dirs, args.out))
+        return
+    lengths = np.array(
+        [max(int(json.loads(line)["length"]), 1) for path in args.rollouts for line in path.open()]
+    )
+    dists = {
+        f"ours (n={lengths.size}, mean {lengths.mean():.0f}, max {lengths.max()})": empirical(
+            lengths
+        ),
+        "long tail (DUET 3,072)": long_tail,
+    }
+    print(project(dists, args.gpus, args.steps, args.out))
+
+
+if __name__ == "__main__":
+    main()
