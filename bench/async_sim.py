@@ -383,7 +383,7 @@ class MeasuredRun:
     """A run directory's per-step timings and its groups' response lengths, in generation order."""
 
     name: str
-    off_policy_steps: int
+    max_staleness: int
     metrics: list[dict]
     groups: np.ndarray  # [groups, group_size]
 
@@ -400,7 +400,8 @@ class MeasuredRun:
             raise ValueError(f"{run_dir}: {len(lengths)} rollouts are not whole groups")
         return cls(
             run_dir.name,
-            int(config["run"].get("off_policy_steps", 0)),
+            # run directories written before run.max_staleness recorded run.off_policy_steps
+            int(config["run"].get("max_staleness", config["run"].get("off_policy_steps", 0))),
             metrics,
             np.asarray(lengths).reshape(-1, group_size),
         )
@@ -414,12 +415,17 @@ class MeasuredRun:
         m = self.metrics[step]
         return m["time_generate"] + m.get("time_verify", 0.0)
 
+    def window(self) -> range:
+        """The steady steps: after the first (warm-up) or the first k (the pipeline fills), and
+        before the last k (nothing more to collect ahead)."""
+        edge = max(1, self.max_staleness)
+        return range(edge, len(self.metrics) - edge)
+
     def measured(self) -> dict[str, float]:
-        """Mean step time and shares over steps 1 .. n-2 (the first warms up; in a one-step-ahead
-        run the last collects nothing ahead). The engine's work in step t is batch t's collection,
-        or batch t+1's when it was collected ahead."""
-        steps = range(1, len(self.metrics) - 1)
-        ahead = 1 if self.off_policy_steps else 0
+        """Mean step time and shares over steps k .. n-1-k (the first warms up or fills the
+        pipeline; the last k collect nothing ahead). The engine's work in step t is batch t's
+        collection, or batch t+k's when it was collected ahead."""
+        steps, ahead = self.window(), self.max_staleness
         span = sum(self.metrics[t]["time_step"] for t in steps)
         engine = sum(self.collect_s(t + ahead) for t in steps) / span
         trainer = sum(self.metrics[t]["time_train"] for t in steps) / span
@@ -439,7 +445,7 @@ class MeasuredRun:
         train_token_s * tokens; the weight sync (with the step's plan and overhead) its mean."""
         from scipy.optimize import nnls
 
-        b, steps = self.groups_per_step, range(1, len(self.metrics) - 1)  # as `measured`
+        b, steps = self.groups_per_step, self.window()
         batches = [self.groups[t * b : (t + 1) * b] for t in steps]
         longest = np.array([x.max() for x in batches], dtype=float)
         tokens = np.array([x.sum() for x in batches], dtype=float)
@@ -461,7 +467,7 @@ class MeasuredRun:
             layout,
             costs,
             len(self.metrics) - 1,
-            self.off_policy_steps if self.off_policy_steps else None,
+            self.max_staleness if self.max_staleness else None,
         )
         return timeline.window(warmup=1)
 
@@ -471,9 +477,9 @@ def validate(run_dirs: Sequence[Path], out: Path) -> str:
     the run itself (does the schedule hold?) and to the synchronous run (does a cluster-style
     projection from synchronous costs hold here?)."""
     runs = [MeasuredRun.load(Path(d)) for d in run_dirs]
-    sync_runs = [r for r in runs if not r.off_policy_steps]
+    sync_runs = [r for r in runs if not r.max_staleness]
     if not sync_runs:
-        raise ValueError("validation needs a run with run.off_policy_steps 0 among the run dirs")
+        raise ValueError("validation needs a run with run.max_staleness 0 among the run dirs")
     rows, data = [], []
     for run in runs:
         measured = run.measured()
@@ -483,7 +489,7 @@ def validate(run_dirs: Sequence[Path], out: Path) -> str:
             rows.append(
                 [
                     run.name,
-                    run.off_policy_steps,
+                    run.max_staleness,
                     source.name,
                     f"{measured['step_s']:.2f}",
                     f"{predicted['step_s']:.2f}",
@@ -700,7 +706,7 @@ def main() -> None:
         nargs="+",
         type=Path,
         help="run directories (metrics.jsonl, rollouts.jsonl, config.yaml); one with "
-        "run.off_policy_steps 0 gives the costs of the cross-mode prediction",
+        "run.max_staleness 0 gives the costs of the cross-mode prediction",
     )
     p = sub.add_parser("project", help="sync against async throughput for 8, 64, 512 GPUs")
     p.add_argument(

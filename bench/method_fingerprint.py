@@ -38,7 +38,8 @@ def timing_free(record: dict) -> dict:
     return {
         k: v
         for k, v in record.items()
-        if not k.startswith("time_") and k not in ("tokens_per_s", "eval_seconds")
+        if not k.startswith(("time_", "busy_share_", "flops_per_s_", "mfu_"))
+        and k not in ("tokens_per_s", "eval_seconds", "pipeline_ready_batches")
     }
 
 

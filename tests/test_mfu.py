@@ -12,6 +12,7 @@ from rlvr.run.mfu import (
     mfu,
     peak_flops,
     phase_flops,
+    step_utilisation,
 )
 
 TINY_CONFIG = {  # the tiny model's config.json (rlvr.models.tiny, qwen2), trimmed to what counts
@@ -101,6 +102,29 @@ def test_mfu_is_flops_per_second_over_peak():
     shape = TransformerShape.from_hf_config(TINY_CONFIG)
     flops = phase_flops("train", shape, [10], [6])
     assert mfu("train", shape, [10], [6], seconds=2.0, peak_flops=flops) == 0.5
+
+
+def test_a_step_s_utilisation_per_phase():
+    """Training counts each pass over the batch (training.epochs); a phase that took no time is
+    left out; without a peak (GPU runs) only the FLOP/s are logged."""
+    shape = TransformerShape.from_hf_config(TINY_CONFIG)
+    train, generate = (
+        phase_flops("train", shape, [10], [6]),
+        phase_flops("generate", shape, [10], [6]),
+    )
+    seconds = {"time_train": 4.0, "time_generate": 2.0}
+    got = step_utilisation(shape, [10], [6], seconds, train_passes=2, peak=train)
+    assert got == {
+        "flops_per_s_generate": generate / 2.0,
+        "mfu_generate": generate / 2.0 / train,
+        "flops_per_s_train": 2 * train / 4.0,
+        "mfu_train": 0.5,
+    }
+    assert step_utilisation(shape, [10], [6], {"time_train": 0.0}, 1, None) == {}
+    assert step_utilisation(shape, [10], [6], seconds, 1, None).keys() == {
+        "flops_per_s_generate",
+        "flops_per_s_train",
+    }
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ from rlvr.run.metrics import (
     rollout_stats,
     uncomputed_stats,
 )
+from rlvr.run.mfu import TransformerShape, peak_flops, step_utilisation
 from rlvr.run.rundir import RunDir
 from rlvr.tasks import load_task
 from rlvr.tasks.base import Problem
@@ -113,6 +114,8 @@ class Trainer:
         )
         self.version = 0
         """The policy version (updates applied) the policy holds."""
+        self._last_step_end: float | None = None
+        self.model_shape, self.peak_flops = model_utilisation_basis(self.cfg, self.model_dir)
 
     def _pipeline_batch(self, step: int) -> tuple[list[Problem], SamplingParams, int]:
         """What the pipeline collects for step `step`: the fixed group size (all that a method
@@ -215,19 +218,44 @@ class Trainer:
         metrics.update(times)
         metrics["time_step"] = total
         metrics["time_overhead"] = total - sum(times.values())
+        # busy shares of the wall time since the step before ended (its commit and evaluation
+        # included: the pipeline keeps collecting through them)
+        since = self._last_step_end or t_start
+        self._last_step_end = t_end
         if ahead is not None:
             # this step's rollouts were collected in the pipeline: their seconds are reported,
             # but they are not part of this step's time
             metrics.update(ahead.times)
             metrics["pipeline_ready_batches"] = ready
-            metrics["busy_share_engines"] = self.pipeline.engines_busy_share(t_start, t_end)
+            metrics["busy_share_engines"] = self.pipeline.engines_busy_share(since, t_end)
         else:
-            metrics["busy_share_engines"] = engine_busy / total
-        metrics["busy_share_policy"] = times["time_train"] / total
+            metrics["busy_share_engines"] = engine_busy / (t_end - since)
+        metrics["busy_share_policy"] = times["time_train"] / (t_end - since)
         sampled_by = ahead.version if ahead is not None else step
         metrics["rollout_policy_version"] = sampled_by
         metrics["rollout_staleness"] = step - sampled_by
         metrics["tokens_per_s"] = metrics["tokens_generated"] / max(metrics["time_generate"], 1e-9)
+        if self.model_shape is not None:
+            metrics.update(
+                step_utilisation(
+                    self.model_shape,
+                    [len(ids) for ids in got.trained.prompt_ids],
+                    [len(ids) for ids in got.trained.response_ids],
+                    {"time_train": metrics["time_train"]},
+                    cfg.training.epochs,
+                    self.peak_flops,
+                )
+            )
+            metrics.update(
+                step_utilisation(
+                    self.model_shape,
+                    [len(ids) for ids in rollouts.prompt_ids],
+                    [len(ids) for ids in rollouts.response_ids],
+                    {"time_generate": metrics["time_generate"]},
+                    1,
+                    self.peak_flops,
+                )
+            )
 
         comps.controller.observe_step(
             step,
@@ -311,6 +339,26 @@ class Trainer:
             self.pipeline.load(d, step)
         self.version = step + 1
         return progress["best_step"]
+
+
+def model_utilisation_basis(
+    cfg: Config, model_dir: Path | None
+) -> tuple[TransformerShape | None, float | None]:
+    """The policy's shape for its FLOP counts (None: no model directory, or a model type they
+    do not cover) and the peak its MFU divides by: this machine's measured GEMM rate when the
+    run is on CPUs (cached per machine), else None (GPU peaks are the devices' own, which the
+    driver does not see; the FLOP/s are logged alone)."""
+    config = model_dir / "config.json" if model_dir is not None else None
+    if config is None or not config.is_file():
+        return None, None
+    try:
+        shape = TransformerShape.from_hf_config(json.loads(config.read_text()))
+    except (ValueError, KeyError) as err:
+        log.info("no FLOP counts for %s: %s", model_dir, err)
+        return None, None
+    r = cfg.resources
+    on_cpu = r.policy_gpus == 0 and r.generator_gpus == 0
+    return shape, peak_flops(cfg.model.dtype, "cpu") if on_cpu else None
 
 
 def _json_safe(d: dict[str, Any]) -> dict[str, Any]:

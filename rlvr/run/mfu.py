@@ -229,3 +229,30 @@ def peak_flops(dtype: str = "bfloat16", device: str = "cpu", cache: Path | None 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"key": key, "flops": flops}))
     return flops
+
+
+def step_utilisation(
+    shape: TransformerShape,
+    prompt_lens: Sequence[int],
+    response_lens: Sequence[int],
+    seconds: Mapping[str, float],
+    train_passes: int,
+    peak: float | None,
+) -> dict[str, float]:
+    """A training step's model FLOP/s per phase and, given the `peak` of the devices that ran it,
+    its MFU: `generate` over `seconds["time_generate"]`, `train` (each of `train_passes` updates
+    over the batch, as verl's actor MFU counts them) over `seconds["time_train"]`."""
+    out: dict[str, float] = {}
+    work = {
+        "generate": ("time_generate", 1),
+        "train": ("time_train", train_passes),
+    }
+    for phase, (key, passes) in work.items():
+        spent = seconds.get(key, 0.0)
+        if spent <= 0 or passes <= 0:
+            continue
+        rate = passes * phase_flops(phase, shape, prompt_lens, response_lens) / spent
+        out[f"flops_per_s_{phase}"] = rate
+        if peak:
+            out[f"mfu_{phase}"] = rate / peak
+    return out

@@ -126,7 +126,15 @@ def tiny_config() -> Path:
     return TINY
 
 
-TIMING_KEYS = ("time_", "tokens_per_s", "eval_seconds", "busy_share_", "pipeline_ready_batches")
+TIMING_KEYS = (
+    "time_",
+    "tokens_per_s",
+    "eval_seconds",
+    "busy_share_",
+    "pipeline_ready_batches",
+    "flops_per_s_",
+    "mfu_",
+)
 
 
 def deterministic(record: dict) -> dict:
