@@ -70,6 +70,10 @@ class Batch:
 class VersionFeed(Protocol):
     """How policy versions reach the engines."""
 
+    def start(self, version: int, step: int | None) -> None:
+        """The engines already hold `version` (their first weights, or a resumed checkpoint's)."""
+        ...
+
     def publish(self, version: int, step: int | None) -> None:
         """The policy now holds `version` (driver thread, after an update)."""
         ...
@@ -80,6 +84,10 @@ class VersionFeed(Protocol):
 
     def load(self, version: int, step: int | None) -> None:
         """Make the engines hold `version` (engines held)."""
+        ...
+
+    def release_before(self, version: int) -> None:
+        """No batch will load a version below `version` again."""
         ...
 
 
@@ -114,7 +122,6 @@ class SnapshotFeed:
         self.loaded: int | None = None
 
     def start(self, version: int, step: int | None) -> None:
-        """The engines already hold `version` (their first weights, or a resumed checkpoint's)."""
         self.loaded = version
         self.publish(version, step)
 
@@ -131,7 +138,6 @@ class SnapshotFeed:
             self.loaded = version
 
     def release_before(self, version: int) -> None:
-        """Drop the snapshots no batch will load again (versions below `version`)."""
         for old in [v for v in self.snapshots if v < version]:
             del self.snapshots[old]
 
@@ -171,7 +177,7 @@ class PushFeed:
             raise RuntimeError(f"the engines hold policy version {self.loaded}, not {version}")
 
     def release_before(self, version: int) -> None:
-        """Nothing held."""
+        pass  # nothing held
 
 
 class RolloutPipeline:
@@ -188,7 +194,7 @@ class RolloutPipeline:
         """`batch_of(step)` gives the step's problems, sampling params and group size."""
         self.method, self.services = method, services
         self.k, self.steps, self.batch_of = max_staleness, steps, batch_of
-        self.feed: SnapshotFeed | PushFeed | None = None
+        self.feed: VersionFeed | None = None
         self.batches: dict[int, Batch] = {}
         self.submitted_through = -1
         self.engines = threading.RLock()
