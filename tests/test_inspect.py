@@ -150,6 +150,47 @@ def test_a_multi_turn_run_gets_the_agent_panels():
     assert shares.get_lines()[2].get_ydata()[0] == 0.25
 
 
+def test_a_run_with_stale_rollouts_gets_the_pipeline_panels():
+    """Its step waits for rollouts collected in the background: the time split stacks that wait
+    (not the generation, which ran during earlier steps), and a last row shows the busy shares,
+    MFU, staleness and ready batches."""
+    rows = [
+        {
+            "step": s,
+            "time_generate": 9.0,
+            "time_wait_rollouts": wait,
+            "time_train": 1.0,
+            "time_sync": 0.5,
+            "time_overhead": 0.0,
+            "rollout_staleness": s,
+            "pipeline_ready_batches": s,
+            "busy_share_engines": 0.5,
+            "busy_share_policy": 0.75,
+            "mfu_train": 0.2,
+        }
+        for s, wait in ((0, 2.0), (1, 0.0))
+    ]
+    fig = plot_overview(metrics_frame(rows), metrics_frame([]))
+    assert len(fig.axes) == 6
+    times = fig.axes[3]
+    assert [t.get_text() for t in times.get_legend().get_texts()] == [
+        "wait_rollouts",
+        "train",
+        "sync",
+        "overhead",
+    ]
+    assert times.patches[0].get_height() == 2.0  # step 0 waited; generation is not stacked
+    busy, stale = fig.axes[4:]
+    assert [ln.get_label() for ln in busy.get_lines()] == [
+        "engines busy",
+        "policy busy",
+        "MFU train",
+    ]
+    assert stale.get_lines()[0].get_ydata().tolist() == [0, 1]
+    synchronous = [{**r, "rollout_staleness": 0} for r in rows]
+    assert len(plot_overview(metrics_frame(synchronous), metrics_frame([])).axes) == 4
+
+
 def test_plot_overview_of_a_run_without_steps():
     fig = plot_overview(metrics_frame([]), metrics_frame([]))
     assert len(fig.axes) == 4

@@ -27,6 +27,8 @@ ROLLOUT_COLUMNS = (
     "finish_reason",
 )
 TIME_PARTS = ("time_generate", "time_verify", "time_train", "time_sync", "time_overhead")
+PIPELINED_TIME_PARTS = ("time_wait_rollouts", "time_train", "time_sync", "time_overhead")
+"""A run under `run.max_staleness` collects in the background: its step waits for rollouts."""
 
 
 @dataclass
@@ -92,15 +94,19 @@ def load_run(run_dir: str | Path) -> RunView:
 
 def plot_overview(metrics: pd.DataFrame, evals: pd.DataFrame) -> Figure:
     """2x2 figure: reward, accuracy (train and held-out), response length, stacked step-time split;
-    a multi-turn run's (agent_* metrics) has a third row: turns and tool calls per trajectory, and
-    the tool-error share beside the share of trajectories each end reason ended.
+    a multi-turn run's (agent_* metrics) has a row more: turns and tool calls per trajectory, and
+    the tool-error share beside the share of trajectories each end reason ended; a run with stale
+    rollouts (`run.max_staleness`) one more: the engines' and policy's busy shares and MFU beside
+    each step's rollout staleness and the batches ready when it took its own.
 
     Columns a frame lacks are left out, so a run with no steps yet gives empty panels, not an error.
     Built on `Figure` directly (no pyplot), so nothing stays registered in a global figure list.
     """
     agents = "agent_turns_mean" in metrics.columns
-    fig = Figure(figsize=(11, 10.5 if agents else 7), layout="constrained")
-    rows = fig.subplots(3 if agents else 2, 2)
+    pipelined = "rollout_staleness" in metrics.columns and metrics["rollout_staleness"].max() > 0
+    n_rows = 2 + agents + pipelined
+    fig = Figure(figsize=(11, 3.5 * n_rows), layout="constrained")
+    rows = fig.subplots(n_rows, 2)
     (ax_reward, ax_acc), (ax_len, ax_time) = rows[:2]
 
     def line(ax: Any, df: pd.DataFrame, column: str, label: str, marker: str = ".") -> None:
@@ -121,7 +127,7 @@ def plot_overview(metrics: pd.DataFrame, evals: pd.DataFrame) -> Figure:
     ax_len.set(title="response length (tokens)", xlabel="step")
 
     bottom = pd.Series(0.0, index=metrics.index)
-    for part in TIME_PARTS:
+    for part in PIPELINED_TIME_PARTS if pipelined else TIME_PARTS:
         if part in metrics.columns and not metrics.empty:
             # overhead is total minus the timed phases; clock jitter can make it slightly negative
             seconds = metrics[part].fillna(0.0).clip(lower=0.0)
@@ -138,6 +144,17 @@ def plot_overview(metrics: pd.DataFrame, evals: pd.DataFrame) -> Figure:
         for column in sorted(c for c in metrics.columns if c.startswith("agent_end_")):
             line(ax_shares, metrics, column, f"ended: {column.removeprefix('agent_end_')}")
         ax_shares.set(title="shares", xlabel="step", ylim=(0, 1.05))
+
+    if pipelined:
+        ax_busy, ax_stale = rows[-1]
+        line(ax_busy, metrics, "busy_share_engines", "engines busy")
+        line(ax_busy, metrics, "busy_share_policy", "policy busy")
+        line(ax_busy, metrics, "mfu_generate", "MFU generate", marker="x")
+        line(ax_busy, metrics, "mfu_train", "MFU train", marker="x")
+        ax_busy.set(title="utilisation (share)", xlabel="step", ylim=(0, 1.05))
+        line(ax_stale, metrics, "rollout_staleness", "rollout staleness (versions)")
+        line(ax_stale, metrics, "pipeline_ready_batches", "batches ready")
+        ax_stale.set(title="pipeline", xlabel="step")
 
     for ax in fig.axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
