@@ -156,21 +156,24 @@ def test_a_state_saved_by_two_ranks_resumes_on_one_and_back(
     """ZeRO-2 optimizer partitions depend on the rank count: the state goes through DeepSpeed's
     universal checkpoint. Three steps on 2, 1, then 2 ranks, each resumed from the last one's
     saved state, equal three uninterrupted steps on one rank (fp32 rounding of the partitioned vs
-    whole Adam state: same bound as above)."""
-    losses, state = [], None
-    for i, ranks in enumerate([2, 1, 2]):
-        group, handles = _group(tiny_model_dir, ranks, zero_stage, "token-mean")
-        try:
+    whole Adam state: same bound as above). Each rank count's group is started once (an actor's
+    start costs seconds): the one-rank group takes the three uninterrupted steps first, so its
+    resume must replace a state two steps further on, and the two-rank group resumes over the
+    state of its own first step."""
+    handles = []
+    try:
+        one, started = _group(tiny_model_dir, 1, zero_stage, "token-mean")
+        handles += started
+        two, started = _group(tiny_model_dir, 2, zero_stage, "token-mean")
+        handles += started
+        uninterrupted = [one.run("train_step", _batch())["loss"] for _ in range(3)]
+        losses, state = [], None
+        for i, group in enumerate([two, one, two]):
             if state is not None:
                 group.run("load_state", state)
             losses.append(group.run("train_step", _batch())["loss"])
             state = str(tmp_path / f"{zero_stage}-{i}")
             group.run("save_state", state)
-        finally:
-            _kill(handles)
-    group, handles = _group(tiny_model_dir, 1, zero_stage, "token-mean")
-    try:
-        uninterrupted = [group.run("train_step", _batch())["loss"] for _ in range(3)]
     finally:
         _kill(handles)
     assert losses == pytest.approx(uninterrupted, rel=1e-4)
