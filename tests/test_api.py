@@ -71,3 +71,24 @@ def test_a_resume_must_keep_the_run_s_config(tmp_path):
     assert cfg.training.lr != 3e-4  # the original is left as it was
     with pytest.raises(rlvr.ConfigError, match=r"at run.steps \(3 here, 12 there\), training.lr"):
         api.same_run(changed, run_dir)
+
+
+def test_a_run_started_with_python_objects_resumes_only_with_its_config(tmp_path):
+    class Guess:  # defined here, as in a notebook: config.yaml can only name it
+        def reset(self, problem):
+            return [{"role": "user", "content": problem.prompt}]
+
+        def step(self, message):
+            return [], 1.0, True
+
+    cfg = rlvr.load_config(
+        "tiny", {"run.output_dir": str(tmp_path), "env.kind": "python", "env.class": Guess}
+    )
+    run_dir = tmp_path / cfg.run.name
+    RunDir(run_dir).create(cfg.to_dict())
+    api.same_run(cfg, run_dir)  # the config that holds the class resumes it
+    named = r"started with Python objects \(tests\.test_api:test_a_run.*<locals>\.Guess\)"
+    with pytest.raises(rlvr.ConfigError, match=named):
+        rlvr.train(resume=run_dir)
+    with pytest.raises(rlvr.ConfigError, match=named):
+        rlvr.evaluate(run_dir)
