@@ -31,6 +31,7 @@ from workflows.cluster import (
     init_ray,
     quiet_driver,
     ray_env,
+    send_plugins_by_value,
 )
 from workflows.stopping import (
     RunStopped,
@@ -106,6 +107,7 @@ def train(
     from workflows.train import train as train_run
 
     prepared = prepare_training(cfg)  # bad input fails here, before Ray or any actor starts
+    send_plugins_by_value(cfg)
     cluster = RayForRun.start(cfg, announce_engine_log(run_path) if quiet else None)
     go = partial(
         train_run,
