@@ -20,7 +20,9 @@ load: the sandbox has no site-packages, and neither the module's package nor its
 there). A tool passed as the function itself (defined in a notebook, a script or a test module)
 reaches the sandbox pickled by value by cloudpickle, with the globals it refers to, and is loaded
 there by cloudpickle's own module, sent as source like the harness; what it refers to or imports
-must be in the standard library (checked at load on the pickle itself). Arguments cross as JSON, validated against the schema before anything runs; the result
+must be in the standard library (checked at load on the pickle itself); loading cloudpickle's
+module costs such a call about 15 ms more (`add` of tests/envs/sample_tools.py, median of 10:
+0.080 s passed as an object, 0.065 s by name, namespaces sandbox, 2-core machine). Arguments cross as JSON, validated against the schema before anything runs; the result
 crosses back as strict plain data (rlvr.verifiers.harness: builtin types only, no objects of the
 tool's classes) and becomes text: a str as it is, anything else as JSON (repr where JSON cannot
 hold it). A new sandbox per call means no call sees another's state; it costs about 0.12 s
