@@ -110,7 +110,10 @@ def test_a_plug_in_from_a_module_the_actors_cannot_import_crosses_by_value(tmp_p
     cfg = rlvr.load_config(
         "tiny", {"verifier.kind": "python", "verifier.function": notebook_helpers.half_reward}
     )
-    load = "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); print(f([''], ['x'], [''], [{}]))"
+    load = (
+        "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); "
+        "print(f([''], ['x'], [''], [{}]))"
+    )
     try:
         by_reference = subprocess.run(
             [sys.executable, "-c", load],

@@ -1,6 +1,7 @@
 """A user's environment class, "pkg.module:Cls" (or, from Python, the class itself), run in a
-process of its own for each trajectory (`HostedEnvironment`), so that an environment that raises, hangs, leaks or dies fails its own
-trajectory with a status (rlvr.envs.base.ENV_FAILURES) and never the caller's step.
+process of its own for each trajectory (`HostedEnvironment`), so that an environment that raises,
+hangs, leaks or dies fails its own trajectory with a status (rlvr.envs.base.ENV_FAILURES) and
+never the caller's step.
 
 What an environment's author can rely on: one fresh process per trajectory (a worker process of
 rlvr.verifiers.worker, as reward plug-ins use) that imports the class, makes one instance with
@@ -183,9 +184,9 @@ def _episodes(cls: type, kwargs: dict[str, Any]) -> Callable[[str, Any], dict[st
 
 class HostedEnvironment:
     """The environment class `spec` ("pkg.module:Cls" or the class) with `kwargs` (JSON data),
-    in its own process for one trajectory: `reset`, `step`, `close` as rlvr.envs.base.Environment's, each within
-    `timeout_s`. A failure raises EnvironmentFailed (its status one of ENV_FAILURES) and kills
-    the process; every later call raises it again."""
+    in its own process for one trajectory: `reset`, `step`, `close` as
+    rlvr.envs.base.Environment's, each within `timeout_s`. A failure raises EnvironmentFailed
+    (its status one of ENV_FAILURES) and kills the process; every later call raises it again."""
 
     def __init__(
         self,

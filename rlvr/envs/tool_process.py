@@ -5,11 +5,12 @@ arguments, and answers with one line: the value as strict plain data (rlvr.verif
 followed by `main(<request>)`.
 
 The request (a JSON object) holds `harness` (the source of rlvr.verifiers.harness), `modules`
-({dotted name: source}: the tool's module), `function` ("pkg.module:fn") and `arguments` (a
-JSON object); a tool passed as an object comes as `pickled` (base64 of the function pickled by
-value), `modules` holding cloudpickle's module that unpickles it. The modules are imported from memory, under their own names, with empty parent
-packages; they see the standard library and nothing else (the sandbox's python runs with -I -S).
-What the tool prints goes to stderr, which the caller ignores.
+({dotted name: source}: the tool's module), `function` ("pkg.module:fn") and `arguments` (a JSON
+object); a tool passed as an object comes as `pickled` (base64 of the function pickled by value),
+`modules` holding cloudpickle's module that unpickles it. The modules are imported from memory,
+under their own names, with empty parent packages; they see the standard library and nothing else
+(the sandbox's python runs with -I -S). What the tool prints goes to stderr, which the caller
+ignores.
 """
 
 import base64

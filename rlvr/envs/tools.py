@@ -11,22 +11,22 @@ float, bool, None, list[...], dict[str, ...], Literal[...], Any, and unions of t
 with an error naming the tool. These hints are checked here before `get_json_schema` runs, which
 would describe an unknown class as a bare "object" instead of refusing it.
 
-Tools are loaded (imported, checked, schema'd) in the trusted process; they RUN elsewhere: each
-call is a fresh sandbox (`python -I -S`, no network, no host files, a memory limit, a deadline,
-a throwaway directory; rlvr/envs/tool_process.py is its program), never the caller's process.
-The tool's module reaches the sandbox as source, sent with the call and imported from memory
-under its own name, so it must be one file that imports only the standard library (checked at
-load: the sandbox has no site-packages, and neither the module's package nor its siblings are
-there). A tool passed as the function itself (defined in a notebook, a script or a test module)
-reaches the sandbox pickled by value by cloudpickle, with the globals it refers to, and is loaded
-there by cloudpickle's own module, sent as source like the harness; what it refers to or imports
-must be in the standard library (checked at load on the pickle itself); loading cloudpickle's
-module costs such a call about 15 ms more (`add` of tests/envs/sample_tools.py, median of 10:
-0.080 s passed as an object, 0.065 s by name, namespaces sandbox, 2-core machine). Arguments cross as JSON, validated against the schema before anything runs; the result
-crosses back as strict plain data (rlvr.verifiers.harness: builtin types only, no objects of the
-tool's classes) and becomes text: a str as it is, anything else as JSON (repr where JSON cannot
-hold it). A new sandbox per call means no call sees another's state; it costs about 0.12 s
-(the calculator, median of 10, 2-core machine).
+Tools are loaded (imported, checked, schema'd) in the trusted process; they RUN elsewhere: each call
+is a fresh sandbox (`python -I -S`, no network, no host files, a memory limit, a deadline, a
+throwaway directory; rlvr/envs/tool_process.py is its program), never the caller's process. The
+tool's module reaches the sandbox as source, sent with the call and imported from memory under its
+own name, so it must be one file that imports only the standard library (checked at load: the
+sandbox has no site-packages, and neither the module's package nor its siblings are there). A tool
+passed as the function itself (defined in a notebook, a script or a test module) reaches the sandbox
+pickled by value by cloudpickle, with the globals it refers to, and is loaded there by cloudpickle's
+own module, sent as source like the harness; what it refers to or imports must be in the standard
+library (checked at load on the pickle itself); loading cloudpickle's module costs such a call about
+15 ms more (`add` of tests/envs/sample_tools.py, median of 10: 0.080 s passed as an object, 0.065 s
+by name, namespaces sandbox, 2-core machine). Arguments cross as JSON, validated against the schema
+before anything runs; the result crosses back as strict plain data (rlvr.verifiers.harness: builtin
+types only, no objects of the tool's classes) and becomes text: a str as it is, anything else as
+JSON (repr where JSON cannot hold it). A new sandbox per call means no call sees another's state; it
+costs about 0.12 s (the calculator, median of 10, 2-core machine).
 
 Code a tool runs shares its sandbox process (the `python` tool runs the model's snippet): it can
 write the reply line itself, so it decides its own result text and status and nothing else; no
