@@ -71,3 +71,65 @@ def test_a_resume_must_keep_the_run_s_config(tmp_path):
     assert cfg.training.lr != 3e-4  # the original is left as it was
     with pytest.raises(rlvr.ConfigError, match=r"at run.steps \(3 here, 12 there\), training.lr"):
         api.same_run(changed, run_dir)
+
+
+def test_a_run_started_with_python_objects_resumes_only_with_its_config(tmp_path):
+    class Guess:  # defined here, as in a notebook: config.yaml can only name it
+        def reset(self, problem):
+            return [{"role": "user", "content": problem.prompt}]
+
+        def step(self, message):
+            return [], 1.0, True
+
+    cfg = rlvr.load_config(
+        "tiny", {"run.output_dir": str(tmp_path), "env.kind": "python", "env.class": Guess}
+    )
+    run_dir = tmp_path / cfg.run.name
+    RunDir(run_dir).create(cfg.to_dict())
+    api.same_run(cfg, run_dir)  # the config that holds the class resumes it
+    named = r"started with Python objects \(tests\.test_api:test_a_run.*<locals>\.Guess\)"
+    with pytest.raises(rlvr.ConfigError, match=named):
+        rlvr.train(resume=run_dir)
+    with pytest.raises(rlvr.ConfigError, match=named):
+        rlvr.evaluate(run_dir)
+
+
+def test_a_plug_in_from_a_module_the_actors_cannot_import_crosses_by_value(tmp_path, monkeypatch):
+    from ray import cloudpickle as ray_pickle
+
+    from workflows.cluster import send_plugins_by_value
+
+    (tmp_path / "notebook_helpers.py").write_text(
+        "HALF = 0.5\n\n"
+        "def half_reward(prompts, responses, golds, metadata):\n"
+        "    return [HALF] * len(responses)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # on this driver's path only, as a notebook's
+    import notebook_helpers
+
+    cfg = rlvr.load_config(
+        "tiny", {"verifier.kind": "python", "verifier.function": notebook_helpers.half_reward}
+    )
+    load = (
+        "import pickle, sys; f = pickle.loads(sys.stdin.buffer.read()); "
+        "print(f([''], ['x'], [''], [{}]))"
+    )
+    try:
+        by_reference = subprocess.run(
+            [sys.executable, "-c", load],
+            input=ray_pickle.dumps(cfg.verifier.function),
+            capture_output=True,
+            cwd=ROOT,
+        )
+        assert b"No module named 'notebook_helpers'" in by_reference.stderr
+        send_plugins_by_value(cfg)
+        by_value = subprocess.run(
+            [sys.executable, "-c", load],
+            input=ray_pickle.dumps(cfg.verifier.function),
+            capture_output=True,
+            cwd=ROOT,
+            check=True,
+        )
+        assert by_value.stdout.strip() == b"[0.5]"
+    finally:
+        ray_pickle.unregister_pickle_by_value(notebook_helpers)

@@ -106,7 +106,7 @@ def test_a_config_row_shows_type_constraints_default_and_description():
         '| `target_modules` | `list[str]` | `["q_proj", "k_proj", "v_proj", "o_proj", '
     )
     assert "| `function` | `str` \\| `callable` \\| `null` | `null` |" in rows["verifier.function"]
-    assert rows["env.class"].startswith("| `class` | `str` \\| `null` | `null` |")
+    assert rows["env.class"].startswith("| `class` | `str` \\| `callable` \\| `null` | `null` |")
     assert rows["algorithm.laconic.budget"].startswith("| `budget` |")
     assert rows["task.difficulty.operators"].startswith("| `operators` | `str`<br>length >= 1 |")
 

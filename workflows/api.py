@@ -31,6 +31,7 @@ from workflows.cluster import (
     init_ray,
     quiet_driver,
     ray_env,
+    send_plugins_by_value,
 )
 from workflows.stopping import (
     RunStopped,
@@ -70,10 +71,13 @@ def train(
     Args:
         config: a `Config`, or a YAML file or shipped preset name (`"tiny"`) to load.
         overrides: keys to change, `{"run.steps": 4, "verifier.function": my_reward}` or
-            `--set` strings (`["run.steps=4"]`). A reward function may be the function itself.
+            `--set` strings (`["run.steps=4"]`). A reward function, the tools
+            (`{"env.kind": "tools", "env.tools": [my_tool]}`) and an environment class
+            (`{"env.kind": "python", "env.class": MyEnv}`) may be the objects themselves.
         resume: continue a run after its last committed step: `True` resumes the run directory
             the config names (`run.output_dir`/`run.name`), a path resumes that one (its
-            config.yaml is the config unless `config` is given, which must match it).
+            config.yaml is the config unless `config` is given, which must match it). A run
+            started with Python objects resumes with the `Config` that holds them.
         background: start the run in a thread of this process and return its `TrainingRun` at
             once; otherwise train here until the run ends.
         engine_logs: the actors' output (vLLM, DeepSpeed, Ray) on this console instead of the
@@ -103,6 +107,7 @@ def train(
     from workflows.train import train as train_run
 
     prepared = prepare_training(cfg)  # bad input fails here, before Ray or any actor starts
+    send_plugins_by_value(cfg)
     cluster = RayForRun.start(cfg, announce_engine_log(run_path) if quiet else None)
     go = partial(
         train_run,
@@ -132,7 +137,8 @@ def _run_to_train(
     config: Config | str | Path | None, overrides: Overrides | None, resume: bool | str | Path
 ) -> tuple[Config, Path, bool]:
     """(config, run directory, whether it resumes) of a `train` call."""
-    from workflows.train import load_run_config, run_path_for
+    from workflows.checkpoints import load_run_config
+    from workflows.train import run_path_for
 
     if resume is False:
         cfg = as_config(config, overrides)
@@ -157,7 +163,8 @@ def _run_to_train(
 
 def same_run(cfg: Config, run_path: Path) -> None:
     """ConfigError unless `cfg` is the config the run at `run_path` was started with (a reward
-    function passed as an object compares by its `package.module:name`)."""
+    function, tool or environment class passed as an object compares by its
+    `package.module:name`)."""
     try:
         saved = _flat(RunDir(run_path).load_config_dict())
     except FileNotFoundError as err:
@@ -367,7 +374,8 @@ def evaluate(
             or a PEFT adapter.
         data: a preset (its held-out split) or a dataset file; default the run's held-out split.
         config: the run's config (a `Config` or a YAML file; default the run's config.yaml); give
-            the `Config` when its reward function was passed as an object.
+            the `Config` when its reward function, tools or environment class were passed as
+            objects.
         n: samples per problem, at `temperature` and `top_p`, from `seed` on.
         max_tokens: the longest answer (default: the config's generation.max_tokens).
         backend: "vllm", or "hf" (transformers).

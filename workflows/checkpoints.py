@@ -11,6 +11,7 @@ from pathlib import Path
 from rlvr.config import Config, ConfigError, config_from_dict, load_config
 from rlvr.models import cache_dir, resolve_model_path
 from rlvr.run.rundir import STEP_PREFIX, RunDir
+from rlvr.verifiers.worker import names_an_object
 
 # --- checkpoints ----------------------------------------------------------------------------------
 
@@ -23,6 +24,29 @@ def find_run_dir(path: Path) -> Path | None:
     return None
 
 
+def load_run_config(run_dir: Path) -> Config:
+    """The config the run at `run_dir` was started with (its config.yaml); ConfigError where it
+    names reward functions, tools or an environment class passed as Python objects, which the
+    file cannot hold: only the `Config` holding them gives them again."""
+    data = RunDir(run_dir).load_config_dict()
+    objects = sorted({v for v in _strings(data) if names_an_object(v)})
+    if objects:
+        raise ConfigError(
+            f"{run_dir} was started with Python objects ({', '.join(objects)}), which its "
+            "config.yaml names but cannot hold: give the Config that holds them "
+            "(rlvr.train(config, resume=RUN_DIR), rlvr.evaluate(..., config=config))"
+        )
+    return config_from_dict(data)
+
+
+def _strings(tree: object) -> list[str]:
+    """Every str in nested dicts and lists."""
+    if isinstance(tree, str):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else []
+    return [s for value in values for s in _strings(value)]
+
+
 def run_config(path: Path, config: Config | str | Path | None) -> tuple[Config, Path | None]:
     """(the config to evaluate `path` under, its run directory): `config` when given (a Config,
     or a YAML file or preset to load), else the config of the run holding `path`; ConfigError
@@ -33,7 +57,7 @@ def run_config(path: Path, config: Config | str | Path | None) -> tuple[Config, 
     if config is not None:
         return load_config(config), run_dir
     if run_dir is not None:
-        return config_from_dict(RunDir(run_dir).load_config_dict()), run_dir
+        return load_run_config(run_dir), run_dir
     raise ConfigError("invalid evaluation input: --config is needed outside a run directory")
 
 
@@ -105,7 +129,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
         raise ConfigError(f"invalid export input: {path} is damaged ({damage})")
     if target.exists():
         raise ConfigError(f"invalid export input: {target} exists; choose a new directory")
-    cfg = config_from_dict(run.load_config_dict())
+    cfg = load_run_config(run_dir)
     base_dir = prepare(cfg)[0]
     converted = _convert_step_checkpoint(path / "policy", base_dir, cfg)
     shutil.copytree(converted, target)

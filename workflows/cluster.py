@@ -1,7 +1,8 @@
 """Starting or joining the Ray cluster a run's actors live in: the environment every worker
 inherits, where the workers' output goes (the run's engine log, through a worker setup hook),
-the check that the config's actors fit the cluster's nodes before any starts, and the reaper that
-takes a local cluster with its driver however the driver ends (`workflows.reaper`)."""
+the check that the config's actors fit the cluster's nodes before any starts, the plug-ins passed as
+objects sent to the actors by value, and the reaper that takes a local cluster with its driver
+however the driver ends (`workflows.reaper`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,30 @@ def ray_env() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def send_plugins_by_value(cfg: Config) -> None:
+    """Have Ray pickle the config's plug-ins passed as objects (reward functions, tools, an
+    environment class) by value, as cloudpickle does for those defined in `__main__`: a module the
+    driver imported them from (a notebook's helper file, a test module, a script's folder) need
+    not be importable in the actors. Their module stays registered with Ray's pickler for this
+    process: what else of it crosses to an actor crosses by value too."""
+    from ray import cloudpickle as ray_pickle
+
+    for plugin in _objects(cfg.model_dump()):
+        module = sys.modules.get(getattr(plugin, "__module__", None) or "")
+        if module is None or module.__name__ == "__main__":
+            continue  # by value already
+        if module.__name__ not in ray_pickle.list_registry_pickle_by_value():
+            ray_pickle.register_pickle_by_value(module)
+
+
+def _objects(tree: Any) -> list[Any]:
+    """The callables (functions, classes) in nested config data."""
+    if callable(tree):
+        return [tree]
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else []
+    return [o for value in values for o in _objects(value)]
 
 
 def redirect_worker_output() -> None:

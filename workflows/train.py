@@ -26,7 +26,6 @@ from tqdm import tqdm
 from rlvr.config import (
     Config,
     ConfigError,
-    config_from_dict,
 )
 from rlvr.files import atomic_write_text
 from rlvr.generation.base import SamplingParams
@@ -614,10 +613,6 @@ def _train_after(
         comps.shutdown()
         if trainer.pipeline:
             trainer.pipeline.close()
-
-
-def load_run_config(run_path: Path) -> Config:
-    return config_from_dict(RunDir(run_path).load_config_dict())
 
 
 def run_path_for(cfg: Config) -> Path:

@@ -61,7 +61,8 @@ Plugin = Annotated[
     PlainValidator(_plugin),
     PlainSerializer(plugin_name, when_used="json"),
 ]
-"""A user plug-in (a reward function): `"package.module:name"`, imported where it runs, or, from
+"""A user plug-in (a reward function, a tool, an environment class): `"package.module:name"`,
+imported where it runs, or, from
 Python, the object itself, which reaches the actors by Ray's serialization (cloudpickle: a function
 defined in a notebook travels by value). A saved config (a run's config.yaml) names an object by
 `plugin_name`, which a later process can import only when the object lives in a module."""
@@ -890,16 +891,17 @@ class EnvConfig(Section):
         "your own (`class`) with reset(problem) -> messages and step(message) -> (observations, "
         "reward or None, done); 'none': single-turn rollouts.",
     )
-    tools: list[str] = Field(
+    tools: list[Plugin] = Field(
         default_factory=list,
-        description="Tool functions, 'package.module:fn' (name, docstring and type hints give "
-        "the JSON schema); each call runs sandboxed like the code verifier.",
+        description="Tool functions, 'package.module:fn' or, from Python, the functions "
+        "themselves (name, docstring and type hints give the JSON schema); each call runs "
+        "sandboxed like the code verifier.",
     )
-    env_class: str | None = Field(
+    env_class: Plugin | None = Field(
         None,
         alias="class",
-        description="The environment class, 'package.module:Cls' (kind 'python'); it runs in "
-        "a process of its own per trajectory.",
+        description="The environment class, 'package.module:Cls' or, from Python, the class "
+        "itself (kind 'python'); it runs in a process of its own per trajectory.",
     )
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the environment class (JSON data)."

@@ -1,6 +1,7 @@
-"""A user's environment class, "pkg.module:Cls", run in a process of its own for each trajectory
-(`HostedEnvironment`), so that an environment that raises, hangs, leaks or dies fails its own
-trajectory with a status (rlvr.envs.base.ENV_FAILURES) and never the caller's step.
+"""A user's environment class, "pkg.module:Cls" (or, from Python, the class itself), run in a
+process of its own for each trajectory (`HostedEnvironment`), so that an environment that raises,
+hangs, leaks or dies fails its own trajectory with a status (rlvr.envs.base.ENV_FAILURES) and
+never the caller's step.
 
 What an environment's author can rely on: one fresh process per trajectory (a worker process of
 rlvr.verifiers.worker, as reward plug-ins use) that imports the class, makes one instance with
@@ -17,19 +18,27 @@ privileges, files and network. An environment that runs model-written code runs 
 sandbox (rlvr.verifiers.sandbox, or a ToolBox of rlvr.envs.tools), not in its own process.
 Its cost: a Python start and the module's import per trajectory (measured on a 2-core machine
 for tests/envs/sample_envs.py: 0.23 s to the first messages, 34 MB resident).
+
+A class passed as an object reaches the process as reward functions reach theirs
+(rlvr.verifiers.python): pickled by cloudpickle (by value when it was defined in a notebook or a
+script, by reference when it lives in a module), on the process's input as it starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import numbers
+import pickle
 import sys
 import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+import cloudpickle
 
 from rlvr.envs.base import (
     PROMPT_ROLES,
@@ -40,7 +49,7 @@ from rlvr.envs.base import (
     check_step_result,
 )
 from rlvr.tasks.base import Problem
-from rlvr.verifiers.worker import Worker, WorkerLost, import_object
+from rlvr.verifiers.worker import Worker, WorkerLost, import_object, plugin_name, read_payload
 
 __all__ = [
     "HostedEnvironment",
@@ -50,23 +59,58 @@ __all__ = [
 ]
 
 _SERVE = "rlvr.envs.hosted:_serve"
+_SERVE_PICKLED = "rlvr.envs.hosted:_serve_pickled"
 CLOSE_TIMEOUT_S = 5.0
 
 
-def check_environment_class(spec: str) -> type:
-    """The class `spec` ("pkg.module:Cls") names, checked to have `reset` and `step`; ValueError
-    saying why it cannot be used (for config load)."""
-    try:
-        cls = import_object(spec)
-    except Exception as err:
-        why = f"{type(err).__name__}: {err}"
-        raise ValueError(f"environment {spec!r}: cannot import it: {why}") from None
+def check_environment_class(spec: str | type) -> type:
+    """The class `spec` ("pkg.module:Cls", or the class itself) names, checked to have
+    `reset(problem)` and `step(message)`, and, passed as an object, to pickle; ValueError saying
+    why it cannot be used (for config load)."""
+    if isinstance(spec, str):
+        try:
+            cls = import_object(spec)
+        except Exception as err:
+            why = f"{type(err).__name__}: {err}"
+            raise ValueError(f"environment {spec!r}: cannot import it: {why}") from None
+    else:
+        cls = spec
+    name = plugin_name(spec)
     if not isinstance(cls, type):
-        raise ValueError(f"environment {spec!r} is a {type(cls).__name__!r}, not a class")
+        raise ValueError(f"environment {name!r} is a {type(cls).__name__!r}, not a class")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if missing:
-        raise ValueError(f"environment {spec!r} has no {' or '.join(missing)} method")
+        raise ValueError(f"environment {name!r} has no {' or '.join(missing)} method")
+    for method in ("reset", "step"):
+        if not _takes_one_argument(cls, method):
+            raise ValueError(
+                f"environment {name!r}: {method} must take one argument, as "
+                f"{method}({'problem' if method == 'reset' else 'message'})"
+            )
+    if not isinstance(spec, str):
+        try:
+            cloudpickle.dumps(cls)
+        except Exception as err:
+            raise ValueError(
+                f"environment {name!r} cannot be sent to its processes: cloudpickle fails on it "
+                f"({type(err).__name__}: {err})"
+            ) from None
     return cls
+
+
+def _takes_one_argument(cls: type, method: str) -> bool:
+    """Whether an instance's `method` can be called with one positional argument."""
+    try:
+        signature = inspect.signature(getattr(cls, method))
+    except (TypeError, ValueError):  # a builtin without a signature: it is called as it is
+        return True
+    bound_already = isinstance(inspect.getattr_static(cls, method), (staticmethod, classmethod))
+    arguments = (None,) if bound_already else (None, None)  # self, then the argument
+    try:
+        signature.bind(*arguments)
+    except TypeError:
+        return False
+    return True
 
 
 def problem_data(problem: Problem) -> dict[str, Any]:
@@ -101,13 +145,22 @@ def _serve(arg: str) -> Callable[[str, Any], dict[str, Any]]:
     """The worker's handler for the environment class `arg` names: ("reset", problem data),
     ("step", text) and ("close", None), each answered with a dict."""
     config = json.loads(arg)
-    cls = import_object(config["class"])
+    return _episodes(import_object(config["class"]), config["kwargs"])
+
+
+def _serve_pickled(arg: str) -> Callable[[str, Any], dict[str, Any]]:
+    """`_serve` for the class its `HostedEnvironment` sent pickled."""
+    return _episodes(pickle.loads(read_payload()), json.loads(arg)["kwargs"])
+
+
+def _episodes(cls: type, kwargs: dict[str, Any]) -> Callable[[str, Any], dict[str, Any]]:
+    """The handler that plays one episode of `cls(**kwargs)` (see `_serve`)."""
     episode: dict[str, Any] = {}
 
     def handle(op: str, payload: Any) -> dict[str, Any]:
         try:
             if op == "reset":
-                env = episode["env"] = cls(**config["kwargs"])
+                env = episode["env"] = cls(**kwargs)
                 messages = env.reset(problem_from_data(payload))
                 reply = {"messages": messages, "tools": list(getattr(env, "tools", ()))}
             elif op == "step":
@@ -130,23 +183,26 @@ def _serve(arg: str) -> Callable[[str, Any], dict[str, Any]]:
 
 
 class HostedEnvironment:
-    """The environment class `spec` with `kwargs` (JSON data), in its own process for one
-    trajectory: `reset`, `step`, `close` as rlvr.envs.base.Environment's, each within
-    `timeout_s`. A failure raises EnvironmentFailed (its status one of ENV_FAILURES) and kills
-    the process; every later call raises it again."""
+    """The environment class `spec` ("pkg.module:Cls" or the class) with `kwargs` (JSON data),
+    in its own process for one trajectory: `reset`, `step`, `close` as
+    rlvr.envs.base.Environment's, each within `timeout_s`. A failure raises EnvironmentFailed
+    (its status one of ENV_FAILURES) and kills the process; every later call raises it again."""
 
     def __init__(
         self,
-        spec: str,
+        spec: str | type,
         kwargs: dict[str, Any] | None = None,
         timeout_s: float = 30.0,
         memory_limit_mb: int | None = 4096,
     ):
         if timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
-        self.spec = spec
+        self.spec = plugin_name(spec)
         self.kwargs = dict(kwargs or {})
-        self.config = json.dumps({"class": spec, "kwargs": self.kwargs})  # JSON or TypeError
+        self.config = json.dumps({"class": self.spec, "kwargs": self.kwargs})  # JSON or TypeError
+        self._serve, self._payload = (
+            (_SERVE, None) if isinstance(spec, str) else (_SERVE_PICKLED, cloudpickle.dumps(spec))
+        )
         self.timeout_s = timeout_s
         self.memory_limit_mb = memory_limit_mb
         self.tools: list[dict[str, Any]] = []
@@ -192,7 +248,7 @@ class HostedEnvironment:
         if self._started:
             raise RuntimeError(f"environment {self.spec}: one HostedEnvironment, one trajectory")
         self._started = True
-        self._worker = Worker(_SERVE, self.config, self.memory_limit_mb)
+        self._worker = Worker(self._serve, self.config, self.memory_limit_mb, self._payload)
         weakref.finalize(self, self._worker.kill)
         try:
             self._worker.wait_ready()

@@ -14,8 +14,8 @@ trajectory, with its status as the end reason; tool failures are observations th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rlvr.envs.base import EnvironmentFailed, Message, StepResult
@@ -41,6 +41,7 @@ from rlvr.generation.trajectories import (
 )
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, prompt_messages
+from rlvr.verifiers.worker import plugin_name
 
 AGENT_FLAGS = "agent"
 """`Sample.flags` key of a trajectory's record (turns, tool calls, end reason, env reward)."""
@@ -61,8 +62,10 @@ class EnvSettings:
 
     kind: str
     """'tools' (the built-in tool-calling loop) or 'python' (a class of the user's own)."""
-    tools: tuple[str, ...] = ()
-    env_class: str | None = None
+    tools: tuple[str | Callable[..., Any], ...] = ()
+    """Tool functions, by "pkg.module:fn" or the functions themselves."""
+    env_class: str | type | None = None
+    """The environment class, by "pkg.module:Cls" or the class itself."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     parser: str = "hermes"
     max_turns: int = 4
@@ -73,6 +76,14 @@ class EnvSettings:
     env_timeout_s: float = 30.0
     instruction: str = DEFAULT_INSTRUCTION
     unsafe_hook: bool = False
+
+    def described(self) -> dict[str, Any]:
+        """The settings as JSON data, tools and class by name (`plugin_name`)."""
+        return {
+            **asdict(self),
+            "tools": [plugin_name(t) for t in self.tools],
+            "env_class": None if self.env_class is None else plugin_name(self.env_class),
+        }
 
     def limits(self, max_tokens: int, max_model_len: int | None) -> TrajectoryLimits:
         """What ends a trajectory besides its environment; an environment's own deadline bounds

@@ -5,17 +5,21 @@ arguments, and answers with one line: the value as strict plain data (rlvr.verif
 followed by `main(<request>)`.
 
 The request (a JSON object) holds `harness` (the source of rlvr.verifiers.harness), `modules`
-({dotted name: source}: the tool's module), `function` ("pkg.module:fn") and `arguments` (a
-JSON object). The modules are imported from memory, under their own names, with empty parent
-packages; they see the standard library and nothing else (the sandbox's python runs with -I -S).
-What the tool prints goes to stderr, which the caller ignores.
+({dotted name: source}: the tool's module), `function` ("pkg.module:fn") and `arguments` (a JSON
+object); a tool passed as an object comes as `pickled` (base64 of the function pickled by value),
+`modules` holding cloudpickle's module that unpickles it. The modules are imported from memory,
+under their own names, with empty parent packages; they see the standard library and nothing else
+(the sandbox's python runs with -I -S). What the tool prints goes to stderr, which the caller
+ignores.
 """
 
+import base64
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
 import os
+import pickle
 import sys
 import types
 
@@ -53,17 +57,25 @@ def install(sources: dict) -> None:
     sys.meta_path.insert(0, SourceFinder(sources))
 
 
+def load_function(request: dict):
+    """The tool's function: unpickled, or imported from the module its "pkg.module:fn" names."""
+    if "pickled" in request:
+        return pickle.loads(base64.b64decode(request["pickled"]))
+    module_name, _, qualname = request["function"].partition(":")
+    function = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        function = getattr(function, part)
+    return function
+
+
 def main(request_json: str) -> None:
     """Run the call `request_json` describes and write its one reply line (see the module)."""
     request = json.loads(request_json)
     install({"rlvr.verifiers.harness": request["harness"], **request["modules"]})
     harness = importlib.import_module("rlvr.verifiers.harness")
     _inbox, outbox = harness._channel()  # replies on a private copy of stdout; prints to stderr
-    module_name, _, qualname = request["function"].partition(":")
     try:
-        function = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            function = getattr(function, part)
+        function = load_function(request)
     except BaseException as err:
         reply = {"import_failed": f"{type(err).__name__}: {err}"[:2000]}
     else:

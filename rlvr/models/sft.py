@@ -6,7 +6,6 @@ Cached by a content hash of (model files, problems, hyperparameters): a repeat c
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -94,7 +93,7 @@ def sft_warmup(
         "chat_template": chat_template,
     }
     if tool_traces is not None:
-        params["tool_traces"] = dataclasses.asdict(tool_traces)
+        params["tool_traces"] = tool_traces.described()
     fingerprint = _fingerprint(model_dir, problems, params)
     marker = out / MARKER
     if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:

@@ -26,7 +26,14 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Worker", "WorkerLost", "WorkerPool", "import_object", "plugin_name"]
+__all__ = [
+    "Worker",
+    "WorkerLost",
+    "WorkerPool",
+    "import_object",
+    "names_an_object",
+    "plugin_name",
+]
 
 # Starting a worker may import heavy libraries (sympy and its LaTeX parser: about a second, longer
 # on a busy CPU).
@@ -56,6 +63,12 @@ def plugin_name(plugin: str | Any) -> str:
         return plugin
     module = getattr(plugin, "__module__", None) or "?"
     return f"{module}:{getattr(plugin, '__qualname__', type(plugin).__qualname__)}"
+
+
+def names_an_object(name: str) -> bool:
+    """Whether `plugin_name` gave `name` for an object that no other process can import by it
+    (defined in a notebook or a script's `__main__`, or inside a function)."""
+    return name.startswith("__main__:") or ".<locals>." in name
 
 
 def read_payload() -> bytes:

@@ -11,7 +11,7 @@ from collections import Counter
 
 from rlvr.methods.base import build_method
 from rlvr.run.controller import TrainingController
-from workflows.train import load_run_config
+from workflows.checkpoints import load_run_config
 
 # 4 training prompts, 4 per step: every step revisits every prompt, so step 1 already allocates
 # from observed surrogates. Cold K1 = 9, K2 = 22 (of 32 tokens), grace 2: rollouts without a
