@@ -1,8 +1,9 @@
 """Tools and environments passed to the Python API as objects defined here (a test module the
 tool sandbox cannot import; Ray sends them to the actors by value, as a notebook's): a tool
 function answers the warm-up's traced calls in its sandbox and loads in the engines' tool loop,
-an environment class plays every trajectory in its own process as its string form does, with the
-same rollouts, and a run stopped after its first step resumes with the config that holds it."""
+an environment class plays every trajectory in its own process (tests/envs/test_python_objects.py
+checks it step by step against its string form), and a run stopped after its first step resumes
+with the config that holds it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from rlvr.run.rundir import RunDir
 pytestmark = pytest.mark.ray
 
 FAST = {
-    "task.n_test": 4,
+    "task.n_test": 16,  # the other integration tests' task: their cached warm-up model serves
     "generation.prompts_per_step": 2,
     "generation.group_size": 2,
     "generation.max_tokens": 16,
@@ -76,9 +77,7 @@ def test_a_tool_defined_here_is_called_by_the_warm_up_and_announced_to_the_model
     assert rollouts and all(r["flags"]["agent"]["turns"] >= 1 for r in rollouts)
 
 
-def test_an_environment_class_defined_here_plays_as_its_string_form_and_resumes(
-    tmp_path, driver_env, run_records
-):
+def test_an_environment_class_defined_here_plays_and_resumes(tmp_path, driver_env, run_records):
     class Guess:
         """tests.envs.sample_envs.GuessTheAnswer, written again here."""
 
@@ -106,11 +105,6 @@ def test_an_environment_class_defined_here_plays_as_its_string_form_and_resumes(
         "env.kwargs": {"tries": 2},
         "env.max_turns": 2,
     }
-    by_name = rlvr.load_config(
-        "tiny",
-        {**common, "run.name": "by-name", "env.class": "tests.envs.sample_envs:GuessTheAnswer"},
-    )
-    rlvr.train(by_name)
     cfg = rlvr.load_config("tiny", {**common, "run.name": "by-object", "env.class": Guess})
     run = rlvr.train(cfg, background=True)
     for record in run:
@@ -124,7 +118,4 @@ def test_an_environment_class_defined_here_plays_as_its_string_form_and_resumes(
     rollouts = run_records(run.run_dir, "rollouts.jsonl")
     assert [r["step"] for r in rollouts] == [0] * 4 + [1] * 4 + [2] * 4
     assert all(r["status"] == "environment" for r in rollouts)
-    assert rollouts == run_records(tmp_path / "by-name", "rollouts.jsonl")
-    assert run_records(run.run_dir, "metrics.jsonl") == run_records(
-        tmp_path / "by-name", "metrics.jsonl"
-    )
+    assert all(r["flags"]["agent"]["turns"] >= 1 for r in rollouts)
