@@ -509,7 +509,7 @@ def validate(run_dirs: Sequence[Path], out: Path) -> str:
             )
     header = [
         "run",
-        "off-policy",
+        "max_staleness",
         "costs from",
         "step s",
         "predicted",
@@ -518,8 +518,8 @@ def validate(run_dirs: Sequence[Path], out: Path) -> str:
         "trainer idle meas / pred",
     ]
     text = (
-        "Measured against predicted (steps 1 .. n-2; one engine, one trainer)\n\n"
-        + markdown_table(header, rows)
+        "Measured against predicted (steady steps: after the first max(1, k) and before the "
+        "last max(1, k); one engine, one trainer)\n\n" + markdown_table(header, rows)
     )
     write_results(out, "validation", text, data)
     return text
