@@ -462,8 +462,11 @@ class MeasuredRun:
     def predict(self, costs: Costs) -> dict[str, float]:
         """The model's step time and shares for this run's schedule, lengths and `costs`."""
         layout = Layout(1, self.groups_per_step, self.groups.shape[1])
+        # the model admits up to k batches past the run's last step; those never reach the
+        # measured window, so the run's first batches stand in for them
+        extra = self.groups[: (self.max_staleness + 1) * self.groups_per_step]
         timeline = simulate(
-            Lengths(rows=self.groups),
+            Lengths(rows=np.concatenate([self.groups, extra])),
             layout,
             costs,
             len(self.metrics) - 1,

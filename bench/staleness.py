@@ -28,8 +28,11 @@ RLVR = [sys.executable, "-m", "workflows.cli"]
 
 
 def train(preset: Path, k: int, seed: int, steps: int, out: Path, log: Path) -> Path:
-    """One `rlvr train` run; returns its run directory."""
+    """One `rlvr train` run; returns its run directory (a finished one is reused, so an
+    interrupted bench picks up where it stopped)."""
     name = f"k{k}-seed{seed}"
+    if (out / name / "summary.json").is_file():
+        return out / name
     argv = [
         "train",
         "--config",
@@ -60,6 +63,7 @@ def summarise(run: Path, k: int) -> dict:
         return statistics.median(m[key] for m in steady)
 
     return {
+        "eval_accuracy_before": evals[0]["eval_accuracy"],
         "eval_accuracy": evals[-1]["eval_accuracy"],
         "time_step": median("time_step"),
         "tokens_per_step_s": statistics.median(
@@ -79,10 +83,12 @@ def table(results: dict[int, list[dict]]) -> str:
     for k, runs in sorted(results.items()):
         acc = [r["eval_accuracy"] for r in runs]
         se = statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1 else float("nan")
+        before = statistics.mean(r["eval_accuracy_before"] for r in runs)
         step = statistics.median(r["time_step"] for r in runs)
         rows.append(
             [
                 k,
+                f"{before:.3f}",
                 f"{statistics.mean(acc):.3f} ± {se:.3f}",
                 f"{step:.2f}",
                 f"{sync_step / step:.2f}x",
@@ -94,7 +100,8 @@ def table(results: dict[int, list[dict]]) -> str:
         )
     header = [
         "max_staleness",
-        "held-out accuracy (mean ± se)",
+        "held-out accuracy before",
+        "after (mean ± se)",
         "step s (median)",
         "speed vs k=0",
         "tokens / step-s",
