@@ -213,10 +213,13 @@ class RunControl:
         finally:
             driver.resume()
 
-    def kill_driver_after_commit(self, proc: subprocess.Popen, ckpt: Path) -> None:
-        self.wait_for_commit(proc, ckpt)
+    def kill_driver_after_commit(self, proc: subprocess.Popen, ckpt: Path) -> int:
+        """SIGKILL the driver as soon as it commits `ckpt`; returns its last committed step (a
+        later one may have committed in between)."""
+        self.wait_for_commit(proc, ckpt, poll_s=0.01)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        return max(int(p.name.removeprefix("step_")) for p in ckpt.parent.glob("step_*"))
 
 
 @pytest.fixture

@@ -68,8 +68,8 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
     collected in the background pipeline from snapshots of the policy. Killed once step 0
     commits (its checkpoint holds steps 1 and 2's rollouts, of version 0; step 3's are sampled
     after the resume from the checkpoint's own weights), then, resumed, its GeneratorActor
-    killed once step 1 commits (recovered within the run: the pipeline restarts from step 1's
-    checkpoint), the run ends bit-identical to the uninterrupted one. The reward is math's plus
+    killed once the resumed run commits its first step (recovered within the run: the pipeline
+    restarts from that checkpoint), the run ends bit-identical to the uninterrupted one. The reward is math's plus
     half a format plug-in's (verifier.rewards), each logged apart."""
     extra = ("run.steps=4", "run.max_staleness=2", WEIGHTED_REWARDS)
     full = run_cli(tiny_train_args(tmp_path / "a", *extra))
@@ -77,10 +77,13 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
     assert full.returncode == 0, log[-4000:]
     proc = run_cli(tiny_train_args(tmp_path / "b", *extra))
     ckpt = tmp_path / "b" / "full" / "checkpoints" / "step_000000"
-    run_control.kill_driver_after_commit(proc, ckpt)
+    last = run_control.kill_driver_after_commit(proc, ckpt)
+    assert last < 2, "the killed run got too far for the resume to lose an engine mid-run"
     assert (ckpt / "pipeline.pkl").is_file()
     resumed = run_cli(["train", "--resume", str(tmp_path / "b" / "full")])
-    run_control.wait_for_commit(resumed, ckpt.with_name("step_000001"), poll_s=0.01)
+    # a step the resumed run commits itself: its actors are up (the final evaluation at the
+    # latest meets the lost engine)
+    run_control.wait_for_commit(resumed, ckpt.with_name(f"step_{last + 1:06d}"), poll_s=0.01)
     run_control.kill_actor(resumed, "GeneratorActor")
     log, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, log[-4000:]
