@@ -16,25 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from harness import markdown_table, write_results  # bench/, the script's directory
+from harness import ROOT, markdown_table, run_rlvr, write_results  # bench/, the script's directory
 
-ROOT = Path(__file__).resolve().parents[1]
-RLVR = [sys.executable, "-m", "workflows.cli"]
 STEP_COLUMNS = ("agent_tool_calls_per_trajectory", "agent_tool_error_share", "agent_turns_mean")
-
-
-def run(argv: list[str], log: Path) -> None:
-    """`rlvr ARGV`, its output appended to `log`; fails loudly with the log's tail."""
-    with open(log, "a") as f:
-        f.write(f"\n$ rlvr {' '.join(argv)}\n")
-        f.flush()
-        done = subprocess.run([*RLVR, *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"rlvr {argv[0]} failed ({done.returncode}); see {log}")
 
 
 def evaluate(checkpoint: Path, args: argparse.Namespace, out: Path, tools: bool) -> dict:
@@ -43,7 +29,7 @@ def evaluate(checkpoint: Path, args: argparse.Namespace, out: Path, tools: bool)
     if not (target / "evaluation.json").is_file():
         argv = ["evaluate", "--checkpoint", str(checkpoint), "--config", str(args.config)]
         argv += ["--n", str(args.n), "--temperature", str(args.temperature), "--out", str(target)]
-        run(argv + ([] if tools else ["--no-env"]), args.out / "commands.log")
+        run_rlvr(argv + ([] if tools else ["--no-env"]), args.out / "commands.log")
     return json.loads((target / "evaluation.json").read_text())
 
 
@@ -94,8 +80,8 @@ def main() -> None:
             argv = ["train", "--config", str(args.config), "--set", f"run.seed={seed}"]
             argv += ["--set", f"run.output_dir={runs}", "--set", f"run.name=seed{seed}"]
             argv += ["--set", f"run.steps={args.steps}"] if args.steps else []
-            run(argv, args.out / "commands.log")
-            run(["plot", str(run_dir)], args.out / "commands.log")
+            run_rlvr(argv, args.out / "commands.log")
+            run_rlvr(["plot", str(run_dir)], args.out / "commands.log")
         record(f"after RL, seed {seed}", run_dir, run_dir / "eval")
         metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         data["steps"][seed] = [{k: m.get(k) for k in ("step", *STEP_COLUMNS)} for m in metrics]

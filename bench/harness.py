@@ -4,6 +4,8 @@ tables, and a result written as a table beside its data."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,3 +35,17 @@ def write_results(out: Path, stem: str, text: str, data: Any) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(text.rstrip("\n") + "\n")
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+RLVR = [sys.executable, "-m", "workflows.cli"]
+
+
+def run_rlvr(argv: list[str], log: Path) -> None:
+    """`rlvr ARGV` from the repository root, its output appended to `log`; fails loudly."""
+    with open(log, "a") as f:
+        f.write(f"\n$ rlvr {' '.join(argv)}\n")
+        f.flush()
+        done = subprocess.run([*RLVR, *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"rlvr {argv[0]} failed ({done.returncode}); see {log}")

@@ -17,14 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from harness import markdown_table, write_results  # bench/, the script's directory
-
-ROOT = Path(__file__).resolve().parents[1]
-RLVR = [sys.executable, "-m", "workflows.cli"]
+from harness import ROOT, markdown_table, run_rlvr, write_results  # bench/, the script's directory
 
 
 def train(preset: Path, k: int, seed: int, steps: int, out: Path, log: Path) -> Path:
@@ -44,12 +39,7 @@ def train(preset: Path, k: int, seed: int, steps: int, out: Path, log: Path) -> 
         f"--set=run.output_dir={out}",
         f"--set=run.name={name}",
     ]
-    with open(log, "a") as f:
-        f.write(f"\n$ rlvr {' '.join(argv)}\n")
-        f.flush()
-        done = subprocess.run([*RLVR, *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"rlvr train failed ({done.returncode}); see {log}")
+    run_rlvr(argv, log)
     return out / name
 
 
