@@ -6,6 +6,9 @@ settings, because it decodes with this process's tokenizer (a decode function do
 In Tandem mode it also holds the frozen junior (in the same engine) and the word-switch schedule
 built from this process's tokenizer; `update_weights` reaches the senior only. Multi-turn rollouts
 (`generate_trajectories`) run on the backend's engine loop, their turn callbacks in this process.
+Between `begin_partial` and `end_partial` every call samples partial rollouts: each trajectory's
+first tokens with one policy version, the rest with the next, which the engine fetches from the
+pipeline's `VersionBoard` and loads between decode steps (`rlvr.generation.segments`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import ray
 import torch
 
+from actors.versions import fetch_snapshot
 from rlvr.algorithms.duet.stop import StopControllerFactory
 from rlvr.algorithms.tandem import WordSwitchSchedule, word_boundary_ids
 from rlvr.envs.rollout import AgentRequest, Agents, EnvSettings
@@ -28,6 +32,7 @@ from rlvr.generation.base import (
     SamplingParams,
     StopRuleFactory,
 )
+from rlvr.generation.segments import Segments
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 from rlvr.memory import pin_mmap_threshold, release_free_heap
 from rlvr.training import weight_sync
@@ -65,6 +70,10 @@ class GeneratorActor:
         self.weight_version = 0
         self.max_model_len: int | None = backend_kwargs.get("max_model_len")
         self._agents: Agents | None = None
+        self._partial: tuple[int, tuple[int, int], Any] | None = None
+        """(tokens, versions, board) of partial rollouts in progress."""
+        self._holding: int | None = None
+        """The policy version loaded, while partial rollouts are in progress."""
 
     def ready(self) -> bool:
         return True
@@ -93,7 +102,9 @@ class GeneratorActor:
                 decode=self._decode, request_sizes=[r.n for r in requests], **duet_stop
             )
         t = time.perf_counter()
-        kwargs = {} if loop is None else {"loop": loop}
+        kwargs: dict[str, Any] = {} if loop is None else {"loop": loop}
+        if self._partial is not None:
+            kwargs["segments"] = self._segments()
         results = self.backend.generate(
             requests, params, stop_rule_factory, schedule=schedule, **kwargs
         )
@@ -112,7 +123,9 @@ class GeneratorActor:
         callbacks run in this process. `tandem` and `weight_version` as in `generate`."""
         schedule = self._checked(tandem, weight_version)
         t = time.perf_counter()
-        results = self.backend.generate_trajectories(trajectories, params, limits, schedule)
+        results = self.backend.generate_trajectories(
+            trajectories, params, limits, schedule, self._segments()
+        )
         self._count(t, sum(r.model_tokens for r in results))
         return results
 
@@ -130,7 +143,9 @@ class GeneratorActor:
         if self._agents is None or self._agents.settings != env:
             self._agents = Agents(env, self.backend.tokenizer)
         t = time.perf_counter()
-        results = self._agents.generate(self.backend, requests, params, self.max_model_len)
+        results = self._agents.generate(
+            self.backend, requests, params, self.max_model_len, segments=self._segments()
+        )
         tokens = sum(sum(s.model_tokens or ()) for r in results for s in r.samples)
         self._count(t, tokens)
         return results
@@ -143,7 +158,45 @@ class GeneratorActor:
             )
         if tandem and self.schedule is None:
             raise ValueError("tandem generation needs a GeneratorActor started with a junior")
+        if tandem and self._partial is not None:
+            raise ValueError("tandem generation cannot be sampled as partial rollouts")
         return self.schedule if tandem else None
+
+    def begin_partial(self, tokens: int, versions: tuple[int, int], board: Any) -> None:
+        """Sample every later call as partial rollouts: each trajectory's first `tokens` model
+        tokens with policy `versions[0]` (the weights this engine holds now), the rest with
+        `versions[1]`, fetched from `board` (`actors.versions.VersionBoard`) when needed."""
+        self._partial = (tokens, versions, board)
+        self._holding = versions[0]
+
+    def end_partial(self) -> int:
+        """End partial rollouts holding their second version (what the next batch starts from,
+        and the same on every engine whether or not its trajectories reached it); returns the
+        weight version, one up when the weights changed."""
+        if self._partial is None:
+            raise RuntimeError("end_partial without begin_partial")
+        first, last = self._partial[1]
+        self._hold(last)
+        self._partial, self._holding = None, None
+        if last != first:
+            self.weight_version += 1
+        return self.weight_version
+
+    def _segments(self) -> Segments | None:
+        if self._partial is None:
+            return None
+        tokens, versions, _ = self._partial
+        return Segments(tokens, versions, self._hold)
+
+    def _hold(self, version: int) -> None:
+        """Load policy `version` from the board unless it is loaded (no request is running)."""
+        assert self._partial is not None
+        if self._holding != version:
+            weights = fetch_snapshot(self._partial[2], version)
+            self.backend.load_weights(weights.items())
+            del weights
+            release_free_heap()
+            self._holding = version
 
     def _count(self, start: float, tokens: int) -> None:
         """Book a generation call's time and tokens."""

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from actors.versions import BoardClosed
 from rlvr.config import ConfigError, load_config
 from rlvr.methods.base import Collected
 from rlvr.tasks import Problem
@@ -21,6 +22,7 @@ from workflows.rollout_pipeline import (
     PIPELINE_FILE,
     PipelineClosed,
     RolloutPipeline,
+    partial_versions,
     sampling_version,
 )
 
@@ -315,3 +317,76 @@ def test_overlapped_roles_share_the_cores(monkeypatch):
         CONFIGS / "tiny.yaml", ["run.max_staleness=1", "resources.torch_threads=3"]
     )
     assert torch_threads(pinned, 1) == 3
+
+
+class PartialPool:
+    """The engines of a partial-rollout pipeline: they record the versions each batch begins
+    with (in-process, so the board is a plain `VersionBoard`)."""
+
+    workers: list = []
+
+    def __init__(self) -> None:
+        self.begun: list[tuple[int, tuple[int, int]]] = []
+        self.board = None
+
+    def run(self, method, *args, step=None):
+        if method == "begin_partial":
+            tokens, versions, self.board = args
+            self.begun.append((tokens, versions))
+
+
+def test_partial_versions_move_one_version_at_most():
+    assert [partial_versions(s, 2) for s in range(5)] == [(0, 0), (0, 0), (0, 1), (1, 2), (2, 3)]
+    assert [partial_versions(s, 1) for s in range(3)] == [(0, 0), (0, 1), (1, 2)]
+
+
+def test_partial_batches_begin_on_their_versions_and_post_every_snapshot():
+    sync = SnapshotSync()
+    sync.generator = PartialPool()
+    method = RecordingMethod(sync)
+    pipe = RolloutPipeline(
+        method, None, max_staleness=2, steps=6, batch_of=batch_of, partial_tokens=7
+    )
+    pipe.start(sync, None, 0)
+    try:
+        for step in range(6):
+            train_step(pipe, sync, step)
+        begun = sync.generator.begun
+        assert begun == [(7, partial_versions(s, 2)) for s in range(6)]
+        # each batch begins on the version the one before ended on: nothing is loaded between
+        # them (the engines loaded each second version themselves, from the board)
+        assert sync.loads == []
+        board = sync.generator.board
+        assert board.snapshot(5) == [5] and board.snapshot(6) == [6]
+        with pytest.raises(KeyError):  # released: no batch begins below version 3 any more
+            board._snapshots[2]
+    finally:
+        pipe.close()
+    with pytest.raises(BoardClosed):
+        board.snapshot(99)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([], "set run.max_staleness >= 1"),
+        (["run.max_staleness=1", "sync.transport=collective"], "object-store snapshot"),
+        (["run.max_staleness=1", "generation.stop=[Q]"], "generation.stop must be empty"),
+        (["run.max_staleness=1", "generation.engine_loop=batch"], "cannot pause a request"),
+        (["run.max_staleness=1", "algorithm.name=tandem"], "tandem keeps per-sample state"),
+    ],
+)
+def test_partial_rollouts_are_refused_where_a_turn_cannot_be_continued(overrides, message):
+    with pytest.raises(ConfigError, match=f"run.partial_rollout_tokens: .*{message}"):
+        load_config(CONFIGS / "tiny.yaml", ["run.partial_rollout_tokens=16", *overrides])
+
+
+def test_partial_rollouts_hold_snapshots_from_staleness_one():
+    from workflows.weight_sync import make_weight_sync
+
+    actor = SimpleNamespace(is_actor=True, name="w")
+    group = SimpleNamespace(workers=[actor])
+    cfg = load_config(
+        CONFIGS / "tiny.yaml", ["run.max_staleness=1", "run.partial_rollout_tokens=8"]
+    )
+    assert make_weight_sync(cfg, group, group).transport == "object_store"

@@ -69,6 +69,8 @@ class GeneratorPool:
             "generate_agents": self._generate_agents,
             "score_logprobs": self._score_logprobs,
             "update_weights": self._update_weights,
+            "begin_partial": self._begin_partial,
+            "end_partial": self._end_partial,
             "stats": self._stats,
             "ready": self._ready,
         }
@@ -254,6 +256,17 @@ class GeneratorPool:
             (w, w.call("update_weights", shared if w.is_actor else named_tensors))
             for w in self.workers
         ]
+        return FanOut(parts, self._adopt_version)
+
+    def _begin_partial(self, tokens: int, versions: tuple[int, int], board: Any) -> FanOut:
+        """Every engine samples partial rollouts until `end_partial` (`GeneratorActor`)."""
+        parts = [(w, w.call("begin_partial", tokens, versions, board)) for w in self.workers]
+        return FanOut(parts, lambda answers: None)
+
+    def _end_partial(self) -> FanOut:
+        """Every engine ends partial rollouts on their second version; adopts the engines' one
+        weight version."""
+        parts = [(w, w.call("end_partial")) for w in self.workers]
         return FanOut(parts, self._adopt_version)
 
     def _adopt_version(self, versions: list[int]) -> int:

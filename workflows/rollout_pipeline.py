@@ -13,6 +13,13 @@ policy trains (k >= 2 needs it); `PushFeed` pushes the current weights (any tran
 batch of older versions is collected, which for k = 1 overlaps one step's generation with the
 next step's update and nothing more. A committed step's checkpoint holds the finished batches of
 the versions before its own; the first batch of its own version is collected again on resume.
+
+Partial rollouts (`run.partial_rollout_tokens: L`, snapshots only): step s's trajectories sample
+their first L model tokens with version max(0, s - k) and the rest with max(0, s - k + 1), the
+engines loading the newer version between decode steps once every trajectory of the batch has
+paused at its boundary (`rlvr.generation.segments`); they fetch it from a `VersionBoard` the
+pipeline posts every snapshot to. A batch's second version is at most the checkpoint's own, so a
+committed checkpoint still holds every batch begun with an older version, finished.
 """
 
 from __future__ import annotations
@@ -27,9 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import ray
+
+from actors.versions import BOARD_THREADS, VersionBoard
 from rlvr.generation.base import SamplingParams
 from rlvr.methods.base import Collected, Method, StepServices
 from rlvr.tasks.base import Problem
+from workflows.workers import Worker
 
 PIPELINE_FILE = "pipeline.pkl"
 
@@ -39,8 +50,15 @@ class PipelineClosed(RuntimeError):
 
 
 def sampling_version(step: int, max_staleness: int) -> int:
-    """The policy version that samples step `step`'s rollouts under the fixed lag."""
+    """The policy version that samples step `step`'s rollouts under the fixed lag (with partial
+    rollouts, their oldest tokens)."""
     return max(0, step - max_staleness)
+
+
+def partial_versions(step: int, max_staleness: int) -> tuple[int, int]:
+    """The versions of step `step`'s partial rollouts: their first tokens', then the rest's."""
+    first = sampling_version(step, max_staleness)
+    return first, sampling_version(step + 1, max_staleness)
 
 
 @dataclass
@@ -115,8 +133,11 @@ class SnapshotFeed:
     """Each published version is exported into the object store (`ObjectStoreSync.export`) and
     held until a later batch's version replaces it on the engines."""
 
-    def __init__(self, sync: Any) -> None:
+    def __init__(self, sync: Any, board: Any = None) -> None:
+        """`board`: a `VersionBoard` (a Worker over it) every snapshot is posted to as well, for
+        engines that load a version in the middle of a batch (partial rollouts)."""
         self.sync = sync
+        self.board = board
         self.versions = _Versions()
         self.snapshots: dict[int, Any] = {}
         self.loaded: int | None = None
@@ -127,6 +148,8 @@ class SnapshotFeed:
 
     def publish(self, version: int, step: int | None) -> None:
         self.snapshots[version] = self.sync.export(step)
+        if self.board is not None:
+            self.board.run("post", version, [self.snapshots[version]], step=step)
         self.versions.set(version)
 
     def wait_for(self, version: int, closed: threading.Event) -> None:
@@ -140,6 +163,8 @@ class SnapshotFeed:
     def release_before(self, version: int) -> None:
         for old in [v for v in self.snapshots if v < version]:
             del self.snapshots[old]
+        if self.board is not None:
+            self.board.run("release_before", version)
 
 
 class PushFeed:
@@ -190,10 +215,14 @@ class RolloutPipeline:
         max_staleness: int,
         steps: int,
         batch_of: Callable[[int], tuple[list[Problem], SamplingParams, int]],
+        partial_tokens: int = 0,
     ) -> None:
-        """`batch_of(step)` gives the step's problems, sampling params and group size."""
+        """`batch_of(step)` gives the step's problems, sampling params and group size;
+        `partial_tokens` > 0: partial rollouts switching version after that many tokens."""
         self.method, self.services = method, services
         self.k, self.steps, self.batch_of = max_staleness, steps, batch_of
+        self.partial_tokens = partial_tokens
+        self.board: Worker | None = None
         self.feed: VersionFeed | None = None
         self.batches: dict[int, Batch] = {}
         self.submitted_through = -1
@@ -208,7 +237,14 @@ class RolloutPipeline:
         checkpoint's): versions reach them as snapshots when `sync` (the run's weight sync) can
         export one, else by `push`."""
         if hasattr(sync, "export"):
-            self.feed = SnapshotFeed(sync)
+            if self.partial_tokens:
+                self.board = start_board(sync.generator)
+            self.feed = SnapshotFeed(sync, self.board)
+        elif self.partial_tokens:
+            raise ValueError(
+                "partial rollouts load versions from snapshots: the weight sync must be the "
+                "object store's"
+            )
         else:
             self.feed = PushFeed(push, self.collected_before, self.engines)
         self.feed.start(version, None)
@@ -232,13 +268,33 @@ class RolloutPipeline:
             t0 = time.perf_counter()
             self.feed.load(batch.version, batch.step)
             self.feed.release_before(batch.version)
-            got = self.method.collect(
-                self.services, problems, plan, params, batch.step, batch.times
-            )
+            if self.partial_tokens:
+                got = self._collect_partial(batch, problems, plan, params)
+            else:
+                got = self.method.collect(
+                    self.services, problems, plan, params, batch.step, batch.times
+                )
             batch.span = (t0, time.perf_counter())
         with self._busy_lock:
             self.busy.append(batch.span)
         return got
+
+    def _collect_partial(
+        self, batch: Batch, problems: list[Problem], plan: dict, params: SamplingParams
+    ) -> Collected:
+        """Collect with the engines in partial-rollout mode; they end holding the batch's second
+        version, which the next batch starts from."""
+        assert isinstance(self.feed, SnapshotFeed) and self.board is not None
+        versions = partial_versions(batch.step, self.k)
+        pool = self.feed.sync.generator
+        pool.run("begin_partial", self.partial_tokens, versions, self.board.target)
+        try:
+            return self.method.collect(
+                self.services, problems, plan, params, batch.step, batch.times
+            )
+        finally:
+            pool.run("end_partial", step=batch.step)
+            self.feed.loaded = versions[1]
 
     def ready(self) -> int:
         """Batches collected and not yet taken."""
@@ -300,4 +356,17 @@ class RolloutPipeline:
 
     def close(self) -> None:
         self._closed.set()
+        if self.board is not None:
+            self.board.run("close")  # engines waiting for a version give up
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.board is not None and self.board.is_actor:
+            ray.kill(self.board.target, no_restart=True)
+
+
+def start_board(pool: Any) -> Worker:
+    """A `VersionBoard` the engines of `pool` can reach: an actor beside actor engines (threaded,
+    each waiting engine holds a thread), else a plain object."""
+    if any(w.is_actor for w in pool.workers):
+        actor = ray.remote(VersionBoard).options(num_cpus=0, max_concurrency=BOARD_THREADS)
+        return Worker(actor.remote(), "VersionBoard")
+    return Worker(VersionBoard(), "VersionBoard")

@@ -39,6 +39,7 @@ from rlvr.run.metrics import (
     group_stats,
     reward_part_stats,
     rollout_stats,
+    token_staleness,
     uncomputed_stats,
 )
 from rlvr.run.mfu import TransformerShape, peak_flops, step_utilisation
@@ -106,7 +107,12 @@ class Trainer:
         run = self.cfg.run
         self.pipeline = (
             RolloutPipeline(
-                self.method, self.services, run.max_staleness, run.steps, self._pipeline_batch
+                self.method,
+                self.services,
+                run.max_staleness,
+                run.steps,
+                self._pipeline_batch,
+                run.partial_rollout_tokens,
             )
             if run.max_staleness
             else None
@@ -207,6 +213,7 @@ class Trainer:
         metrics.update(reward_part_stats(rollouts.reward_parts))
         metrics.update(group_stats(rollouts.rewards, rollouts.group_ids))
         metrics.update(agent_stats(rollouts.flags))
+        metrics.update(token_staleness(rollouts.flags, step))
         metrics.update(uncomputed)
         metrics.update(shape_stats)
         metrics.update(got.stats)

@@ -181,8 +181,8 @@ class ColocatedSync:
 def make_weight_sync(cfg: Config, policy: Any, generator: Any) -> WeightSync:
     """The sync `cfg.sync.transport` names; "auto" is the colocated hand-over when ranks and
     engines are colocated, the object store for in-process workers and the collective broadcast
-    otherwise, one CPU engine included (with `run.max_staleness` >= 2, the object store, whose
-    exports the engines load as snapshots): a push through the object store leaves a model-sized
+    otherwise, one CPU engine included (with `run.max_staleness` >= 2 or partial rollouts, the
+    object store, whose exports the engines load as snapshots): a push through the object store leaves a model-sized
     copy of shared memory resident (the store keeps the pages it once used) and, on CPU, is also
     the slower of the two (bench/out/weight_sync/cpu.md)."""
     transport = cfg.sync.transport
@@ -191,7 +191,7 @@ def make_weight_sync(cfg: Config, policy: Any, generator: Any) -> WeightSync:
         transport = "collective" if actors else "object_store"
         if actors and cfg.resources.colocate:
             transport = "colocated"
-        if cfg.run.max_staleness >= 2:
+        if cfg.run.max_staleness >= 2 or cfg.run.partial_rollout_tokens:
             transport = "object_store"  # engines load held snapshots of older versions
     if transport == "object_store":
         return ObjectStoreSync(policy, generator)

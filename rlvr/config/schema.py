@@ -1012,6 +1012,18 @@ class RunConfig(Section):
             "policy (sync.transport object_store, which auto then picks)."
         ),
     )
+    partial_rollout_tokens: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Partial rollouts (needs max_staleness >= 1): step t's trajectories sample their "
+            "first this many model tokens with policy version max(0, t - k) and the rest with "
+            "the next version, which the engines load between decode steps while every "
+            "trajectory waits at that boundary; each sample records the versions of its tokens "
+            "(flags policy_versions) and each token's engine log-prob is its own version's. "
+            "0: a batch is sampled by one version."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -1106,6 +1118,8 @@ class Config(Section):
             )
         if self.run.max_staleness:
             self._check_staleness()
+        if self.run.partial_rollout_tokens:
+            self._check_partial_rollouts()
         spec = method_spec(self.algorithm.name)
         if self.env.multi_turn and spec.single_turn:
             raise ValueError(
@@ -1146,6 +1160,33 @@ class Config(Section):
                 "policy has moved on, from a snapshot the object store holds; "
                 f"sync.transport: {self.sync.transport} pushes only the current weights. Use "
                 "sync.transport: object_store (or auto)"
+            )
+
+    def _check_partial_rollouts(self) -> None:
+        """Partial rollouts continue a paused turn from its tokens, with snapshots of two
+        versions; refuse what cannot be continued or loaded that way."""
+        key = "run.partial_rollout_tokens"
+        if not self.run.max_staleness:
+            raise ValueError(
+                f"{key}: partial rollouts sample a batch with two policy versions while the "
+                "policy trains; set run.max_staleness >= 1"
+            )
+        if self.sync.transport not in ("auto", "object_store"):
+            raise ValueError(
+                f"{key}: the engines load the newer version from an object-store snapshot; "
+                f"sync.transport: {self.sync.transport} cannot hold one (use object_store or auto)"
+            )
+        if self.generation.stop:
+            raise ValueError(
+                f"{key}: a stop string could straddle the pause between versions; "
+                "generation.stop must be empty"
+            )
+        if self.generation.engine_loop == "batch":
+            raise ValueError(f"{key}: generation.engine_loop: batch cannot pause a request")
+        if method_spec(self.algorithm.name).engine_state:
+            raise ValueError(
+                f"{key}: {self.algorithm.name} keeps per-sample state inside the engine "
+                "(a stop rule or an author schedule), which a paused turn would lose; use 0"
             )
 
     def _check_tensor_parallel(self) -> None:

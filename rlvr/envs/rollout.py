@@ -30,6 +30,7 @@ from rlvr.generation.base import (
     SamplingParams,
     sample_seed,
 )
+from rlvr.generation.segments import POLICY_VERSIONS, Segments, joined_runs
 from rlvr.generation.trajectories import (
     Continue,
     Finish,
@@ -184,12 +185,15 @@ class Session:
             "end_reason": self.end_reason(trajectory),
             "env_reward": sum(self.rewards) if self.rewards else None,
         }
+        flags: dict[str, Any] = {AGENT_FLAGS: record}
+        if any(POLICY_VERSIONS in turn.sample.flags for turn in turns):
+            flags[POLICY_VERSIONS] = joined_runs(*(t.sample.flags[POLICY_VERSIONS] for t in turns))
         return Sample(
             token_ids=ids,
             text=turns[-1].sample.text if turns else "",
             logprobs=logprobs,
             finish_reason=turns[-1].sample.finish_reason if turns else "abort",
-            flags={AGENT_FLAGS: record},
+            flags=flags,
             model_tokens=mask,
         )
 
@@ -228,6 +232,7 @@ class Agents:
         params: SamplingParams,
         max_model_len: int | None = None,
         schedule: Any = None,
+        segments: Segments | None = None,
     ) -> list[GenerationResult]:
         """Every trajectory on `backend`, as one `GenerationResult` of one sample each, in request
         then trajectory order, its request id the request's (an environment may give every
@@ -252,7 +257,7 @@ class Agents:
                     )
         limits = self.settings.limits(params.max_tokens, max_model_len)
         try:
-            done = backend.generate_trajectories(trajectories, params, limits, schedule)
+            done = backend.generate_trajectories(trajectories, params, limits, schedule, segments)
         finally:
             for _, session, _ in sessions:
                 session.close()

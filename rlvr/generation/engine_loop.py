@@ -9,7 +9,9 @@ next round, so its batches do not depend on how fast callbacks answer. Trajector
 as they end, so a caller may take finished ones (completed groups) before the slowest is done.
 
 Single-turn sampling is the same loop (`sample_trajectories` / `grouped_samples`): sample j of a
-request is a trajectory without a callback seeded `sample_seed(request, params, j)`.
+request is a trajectory without a callback seeded `sample_seed(request, params, j)`. With
+`Segments` (partial rollouts, `rlvr.generation.segments`) every trajectory pauses after its first
+model tokens until the loop has moved the engine to a newer policy version, then continues.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from rlvr.generation.base import (
     StopRuleFactory,
     sample_seed,
 )
+from rlvr.generation.segments import Segments, continued, segment_seed, stamped
 from rlvr.generation.stop_rules import StopRuleTracker
 from rlvr.generation.tandem_support import AuthorTracker, tandem_seed
 from rlvr.generation.trajectories import (
@@ -94,6 +97,10 @@ class TurnEngine(Protocol):
         """Drop every turn in flight (the loop ended early: an error, or its consumer left)."""
         ...
 
+    def decode(self, token_ids: list[int]) -> str:
+        """A sample's text (`Sample.text`) from its token ids."""
+        ...
+
 
 @dataclass
 class TurnHooks:
@@ -146,14 +153,16 @@ def iter_trajectories(
     params: SamplingParams,
     limits: TrajectoryLimits | None = None,
     callback_threads: int = CALLBACK_THREADS,
+    segments: Segments | None = None,
 ) -> Iterator[tuple[int, TrajectoryResult]]:
     """(index, result) of each trajectory as it ends; see the module and `trajectories` docs.
 
     A first prompt that is empty, holds ids outside the vocabulary or leaves no room in the
-    context raises ValueError before anything is sampled. Leaving the iterator early aborts
-    what is still in flight.
+    context raises ValueError before anything is sampled, as do `segments` combined with stop
+    rules or stop strings. Leaving the iterator early aborts what is still in flight.
     """
-    return _Loop(engine, trajectories, params, limits or TrajectoryLimits(), callback_threads).run()
+    loop = _Loop(engine, trajectories, params, limits or TrajectoryLimits(), callback_threads)
+    return loop.run(segments)
 
 
 def run_trajectories(
@@ -162,10 +171,11 @@ def run_trajectories(
     params: SamplingParams,
     limits: TrajectoryLimits | None = None,
     callback_threads: int = CALLBACK_THREADS,
+    segments: Segments | None = None,
 ) -> list[TrajectoryResult]:
     """Every trajectory's result, in the order given."""
     return ordered(
-        iter_trajectories(engine, trajectories, params, limits, callback_threads),
+        iter_trajectories(engine, trajectories, params, limits, callback_threads, segments),
         len(trajectories),
     )
 
@@ -223,6 +233,18 @@ def grouped_samples(
     ]
 
 
+@dataclass
+class _InFlight:
+    """A turn in the engine: its prompt and seed, the tokens it sampled before a pause (`head`),
+    and whether its request stops at the segment boundary rather than at the turn's own limit."""
+
+    prompt_ids: list[int]
+    seed: int | None
+    head: Sample | None = None
+    cached_tokens: int = 0
+    at_boundary: bool = False
+
+
 class _Loop:
     """One `iter_trajectories` call: the trajectories' state between the engine and callbacks."""
 
@@ -243,27 +265,40 @@ class _Loop:
         if limits.max_context is not None:
             self.context = min(self.context, limits.max_context)
         self.results = [TrajectoryResult(t.trajectory_id) for t in trajectories]
-        self.sampling: dict[int, tuple[list[int], int | None]] = {}
-        """Trajectories with a turn in the engine: that turn's prompt ids and seed."""
+        self.sampling: dict[int, _InFlight] = {}
+        """Trajectories with a turn in the engine."""
+        self.segments: Segments | None = None
+        self.segment = 0
+        self.paused: dict[int, _InFlight] = {}
+        """Trajectories waiting at the segment boundary for the engine's next version."""
         self.waiting: dict[int, float] = {}
         """Trajectories whose callback runs: the monotonic time it must answer by."""
         self.replies: SimpleQueue[tuple[int, Future]] = SimpleQueue()
         self.ended: deque[int] = deque()
         self.executor: ThreadPoolExecutor | None = None
 
-    def run(self) -> Iterator[tuple[int, TrajectoryResult]]:
+    def run(self, segments: Segments | None) -> Iterator[tuple[int, TrajectoryResult]]:
         for trajectory in self.trajectories:
             self._check_first_prompt(trajectory)
+        if segments is not None:
+            if self.params.stop or any(t.stop_rule for t in self.trajectories):
+                raise ValueError(
+                    "partial rollouts (segments) cannot continue stop rules or strings"
+                )
+            segments.hold(segments.version(0))
+        self.segments = segments
         try:
             for index, trajectory in enumerate(self.trajectories):
                 self._submit(index, list(trajectory.prompt_ids))
-            while self.engine.in_flight() or self.waiting:
+            while self.engine.in_flight() or self.waiting or self.paused:
                 self._take_replies(block=False)
                 if self.engine.in_flight() and not (self.engine.rounds and self.waiting):
                     for finished in self.engine.poll():
                         self._turn_ended(finished)
                 elif self.waiting:
                     self._take_replies(block=True)
+                elif self.paused:
+                    self._next_segment()
                 self._expire()
                 while self.ended:
                     index = self.ended.popleft()
@@ -286,23 +321,55 @@ class _Loop:
         if any(isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"trajectory {name!r}: prompt ids outside [0, {vocab})")
 
-    def _submit(self, index: int, prompt_ids: list[int]) -> None:
+    def _submit(self, index: int, prompt_ids: list[int], paused: _InFlight | None = None) -> None:
+        """Submit the trajectory's next turn, or continue its `paused` one."""
         trajectory, result = self.trajectories[index], self.results[index]
         turn = len(result.turns)
-        max_tokens = min(self.params.max_tokens, self.context - len(prompt_ids))
+        state = paused or _InFlight(prompt_ids, turn_seed(trajectory.seed, turn))
+        head = [] if state.head is None else state.head.token_ids
+        max_tokens = min(self.params.max_tokens - len(head), self.context - len(prompt_ids + head))
+        used = result.model_tokens + len(head)
         if self.limits.max_tokens is not None:
-            max_tokens = min(max_tokens, self.limits.max_tokens - result.model_tokens)
-        seed = turn_seed(trajectory.seed, turn)
+            max_tokens = min(max_tokens, self.limits.max_tokens - used)
+        state.at_boundary = False
+        if self.segments is not None and self.segment == 0:
+            room = self.segments.tokens - used
+            if room <= 0:
+                self.paused[index] = state
+                return
+            state.at_boundary = room < max_tokens
+            max_tokens = min(max_tokens, room)
         rule = trajectory.stop_rule(turn) if trajectory.stop_rule is not None else None
-        self.sampling[index] = (prompt_ids, seed)
-        self.engine.submit(index, TurnRequest(prompt_ids, seed, max_tokens, rule))
+        seed = segment_seed(state.seed, self.segment) if head else state.seed
+        self.sampling[index] = state
+        self.engine.submit(index, TurnRequest(prompt_ids + head, seed, max_tokens, rule))
+
+    def _next_segment(self) -> None:
+        """Every trajectory left waits at the boundary: the engine moves to the next version and
+        the paused turns continue (in trajectory order)."""
+        assert self.segments is not None
+        self.segment += 1
+        self.segments.hold(self.segments.version(self.segment))
+        paused, self.paused = self.paused, {}
+        for index in sorted(paused):
+            self._submit(index, paused[index].prompt_ids, paused[index])
 
     def _turn_ended(self, finished: FinishedTurn) -> None:
         index = finished.key
-        prompt_ids, seed = self.sampling.pop(index)
+        state = self.sampling.pop(index)
+        sample = finished.sample
+        if self.segments is not None:
+            sample = stamped(sample, self.segments.version(self.segment))
+            if state.head is not None:
+                sample = continued(state.head, sample, self.engine.decode)
+        state.cached_tokens += finished.cached_tokens
+        if state.at_boundary and finished.sample.finish_reason == "length":
+            state.head = sample
+            self.paused[index] = state
+            return
         result = self.results[index]
         result.turns.append(
-            Turn(prompt_ids, seed, finished.sample, cached_tokens=finished.cached_tokens)
+            Turn(state.prompt_ids, state.seed, sample, cached_tokens=state.cached_tokens)
         )
         callback = self.trajectories[index].next_turn
         if callback is None:

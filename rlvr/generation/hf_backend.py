@@ -36,6 +36,7 @@ from rlvr.generation.engine_loop import (
     run_trajectories,
     sample_trajectories,
 )
+from rlvr.generation.segments import Segments
 from rlvr.generation.tandem_support import check_same_tokenizer, draw_tokens
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 
@@ -155,12 +156,15 @@ class HFBackend:
         params: SamplingParams,
         stop_rule_factory: StopRuleFactory | None = None,
         schedule: WordSwitchSchedule | None = None,
+        segments: Segments | None = None,
     ) -> list[GenerationResult]:
         """Sample `n` responses per request (sample j seeded params.seed + j); `schedule`
-        co-writes every sample with the junior (a Tandem rollout)."""
+        co-writes every sample with the junior (a Tandem rollout); `segments`: partial rollouts
+        (`rlvr.generation.segments`)."""
         self._check(params, schedule, stop_rule_factory is not None)
         trajectories = sample_trajectories(requests, params, stop_rule_factory)
-        results = run_trajectories(_RoundTurns(self, params, schedule), trajectories, params)
+        turns = _RoundTurns(self, params, schedule)
+        results = run_trajectories(turns, trajectories, params, segments=segments)
         return grouped_samples(requests, results)
 
     def generate_trajectories(
@@ -169,11 +173,13 @@ class HFBackend:
         params: SamplingParams,
         limits: TrajectoryLimits | None = None,
         schedule: WordSwitchSchedule | None = None,
+        segments: Segments | None = None,
     ) -> list[TrajectoryResult]:
         """Multi-turn rollouts as `VLLMBackend.generate_trajectories` runs them, in rounds; the
         context limit is the model's max_position_embeddings (or `limits.max_context`)."""
         return ordered(
-            self.iter_trajectories(trajectories, params, limits, schedule), len(trajectories)
+            self.iter_trajectories(trajectories, params, limits, schedule, segments),
+            len(trajectories),
         )
 
     def iter_trajectories(
@@ -182,10 +188,12 @@ class HFBackend:
         params: SamplingParams,
         limits: TrajectoryLimits | None = None,
         schedule: WordSwitchSchedule | None = None,
+        segments: Segments | None = None,
     ) -> Iterator[tuple[int, TrajectoryResult]]:
         """`generate_trajectories` yielding (index, result) as each trajectory ends."""
         self._check(params, schedule, any(t.stop_rule for t in trajectories))
-        return iter_trajectories(_RoundTurns(self, params, schedule), trajectories, params, limits)
+        turns = _RoundTurns(self, params, schedule)
+        return iter_trajectories(turns, trajectories, params, limits, segments=segments)
 
     def _check(
         self, params: SamplingParams, schedule: WordSwitchSchedule | None, stop_rules: bool
@@ -408,6 +416,9 @@ class _RoundTurns:
                 FinishedTurn(key, sample) for (key, _), sample in zip(chunk, samples, strict=True)
             ]
         return finished
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.backend.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def in_flight(self) -> int:
         return len(self._submitted)

@@ -52,6 +52,7 @@ from rlvr.generation.base import Sample, SamplingParams, StopRule
 
 if TYPE_CHECKING:
     from rlvr.algorithms.tandem import WordSwitchSchedule
+    from rlvr.generation.segments import Segments
 
 TrajectoryStatus = Literal[
     "done", "callback_error", "callback_timeout", "max_turns", "token_budget", "context_length"
@@ -185,9 +186,11 @@ class TrajectoryBackend(Protocol):
         params: SamplingParams,
         limits: TrajectoryLimits | None = None,
         schedule: WordSwitchSchedule | None = None,
+        segments: Segments | None = None,
     ) -> list[TrajectoryResult]:
         """Run every trajectory, results in the order given; `params.max_tokens` bounds each turn,
-        `limits` the trajectory, `schedule` makes every turn a Tandem rollout."""
+        `limits` the trajectory, `schedule` makes every turn a Tandem rollout, `segments` samples
+        the trajectories' tokens with two policy versions (partial rollouts)."""
         ...
 
     def iter_trajectories(
@@ -196,6 +199,7 @@ class TrajectoryBackend(Protocol):
         params: SamplingParams,
         limits: TrajectoryLimits | None = None,
         schedule: WordSwitchSchedule | None = None,
+        segments: Segments | None = None,
     ) -> Iterator[tuple[int, TrajectoryResult]]:
         """`generate_trajectories` yielding (index, result) as each trajectory ends; leaving the
         iterator early aborts what is still being sampled."""

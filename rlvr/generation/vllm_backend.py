@@ -57,6 +57,7 @@ from rlvr.generation.engine_loop import (
     sample_trajectories,
 )
 from rlvr.generation.hf_backend import checked_weights, hf_weight_names
+from rlvr.generation.segments import Segments
 from rlvr.generation.stop_rules import StopRuleTracker
 from rlvr.generation.tandem_support import check_same_tokenizer
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
@@ -232,6 +233,9 @@ class _RequestTurns:
             finished.append(FinishedTurn(key, sample, output.num_cached_tokens or 0))
         return finished
 
+    def decode(self, token_ids: list[int]) -> str:
+        return self.backend.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def in_flight(self) -> int:
         return len(self._live)
 
@@ -395,18 +399,23 @@ class VLLMBackend:
         stop_rule_factory: StopRuleFactory | None = None,
         schedule: WordSwitchSchedule | None = None,
         loop: EngineLoop | None = None,
+        segments: Segments | None = None,
     ) -> list[GenerationResult]:
         """Sample `n` responses per request; see the class docstring for seeds and log-probs.
 
         `schedule` co-writes every sample with the junior (a Tandem rollout; the backend must
         have been started with `junior_path`); it does not combine with stop rules. `loop`
-        overrides the backend's `engine_loop` for this call (both sample the same tokens).
+        overrides the backend's `engine_loop` for this call (both sample the same tokens);
+        `segments` (partial rollouts, `rlvr.generation.segments`) need the request loop.
         """
         check_tandem(schedule, self.junior_path is not None, stop_rule_factory is not None)
         if (loop or self.engine_loop) == "batch":
+            if segments is not None:
+                raise ValueError("partial rollouts (segments) need engine_loop 'requests'")
             return self._generate_batch(requests, params, stop_rule_factory, schedule)
         trajectories = sample_trajectories(requests, params, stop_rule_factory)
-        results = run_trajectories(_RequestTurns(self, params, schedule), trajectories, params)
+        turns = _RequestTurns(self, params, schedule)
+        results = run_trajectories(turns, trajectories, params, segments=segments)
         return grouped_samples(requests, results)
 
     def generate_trajectories(
@@ -415,12 +424,14 @@ class VLLMBackend:
         params: SamplingParams,
         limits: TrajectoryLimits | None = None,
         schedule: WordSwitchSchedule | None = None,
+        segments: Segments | None = None,
     ) -> list[TrajectoryResult]:
         """Multi-turn rollouts on the engine loop (`rlvr.generation.trajectories`): each turn is
         a request of its own, added as soon as its prompt is ready; the context limit is the
         engine's max_model_len (or `limits.max_context`, if smaller)."""
         return ordered(
-            self.iter_trajectories(trajectories, params, limits, schedule), len(trajectories)
+            self.iter_trajectories(trajectories, params, limits, schedule, segments),
+            len(trajectories),
         )
 
     def iter_trajectories(
@@ -429,12 +440,12 @@ class VLLMBackend:
         params: SamplingParams,
         limits: TrajectoryLimits | None = None,
         schedule: WordSwitchSchedule | None = None,
+        segments: Segments | None = None,
     ) -> Iterator[tuple[int, TrajectoryResult]]:
         """`generate_trajectories` yielding (index, result) as each trajectory ends."""
         check_tandem(schedule, self.junior_path is not None, any(t.stop_rule for t in trajectories))
-        return iter_trajectories(
-            _RequestTurns(self, params, schedule), trajectories, params, limits
-        )
+        turns = _RequestTurns(self, params, schedule)
+        return iter_trajectories(turns, trajectories, params, limits, segments=segments)
 
     def _generate_batch(
         self,

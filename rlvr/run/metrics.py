@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from rlvr.algorithms.groups import group_rows
+from rlvr.generation.segments import POLICY_VERSIONS
 from rlvr.verifiers import VERIFIER_FAILED
 
 
@@ -108,4 +109,23 @@ def agent_stats(flags: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     reasons = [a["end_reason"] for a in agents]
     for reason in sorted(set(reasons)):
         out[f"agent_end_{reason}"] = reasons.count(reason) / len(agents)
+    return out
+
+
+def token_staleness(flags: Sequence[Mapping[str, Any]], step: int) -> dict[str, float]:
+    """Per step: the staleness (step - sampling version) of the model tokens of rollouts that
+    record their versions: mean, max, and the share of tokens at each staleness; {} when none
+    does (rollouts not sampled by segments)."""
+    counts: dict[int, int] = {}
+    for f in flags:
+        for version, n in f.get(POLICY_VERSIONS, ()):
+            counts[step - version] = counts.get(step - version, 0) + n
+    total = sum(counts.values())
+    if not total:
+        return {}
+    out = {
+        "token_staleness_mean": sum(s * n for s, n in counts.items()) / total,
+        "token_staleness_max": float(max(counts)),
+    }
+    out.update({f"token_staleness_share_{s}": n / total for s, n in sorted(counts.items())})
     return out

@@ -124,8 +124,10 @@ class ScriptedPolicy:
     def abort(self) -> None:
         self.submitted = []
 
-    def generate_trajectories(self, trajectories, params, limits=None, schedule=None):
-        return run_trajectories(self, trajectories, params, limits)
+    def generate_trajectories(
+        self, trajectories, params, limits=None, schedule=None, segments=None
+    ):
+        return run_trajectories(self, trajectories, params, limits, segments=segments)
 
 
 def test_tool_calls_run_sandboxed_and_return_as_observations_the_model_does_not_train_on(engine):

@@ -61,17 +61,27 @@ def test_run_directory_contents(tiny_run_dir, logger_stores):
     assert summary["eval_before"]["step"] == -1
 
 
+PARTIAL_TOKENS = 16
+
+
 def test_a_run_with_stale_rollouts_resumes_exactly(
     tmp_path, run_cli, tiny_train_args, run_records, assert_same_weights, run_control
 ):
-    """run.max_staleness=2: step t trains on rollouts sampled by policy version max(0, t - 2),
-    collected in the background pipeline from snapshots of the policy. Killed once step 0
-    commits (its checkpoint holds steps 1 and 2's rollouts, of version 0; step 3's are sampled
-    after the resume from the checkpoint's own weights), then, resumed, its GeneratorActor
-    killed once the resumed run commits its first step (recovered within the run: the pipeline
-    restarts from that checkpoint), the run ends bit-identical to the uninterrupted one. The reward is math's plus
-    half a format plug-in's (verifier.rewards), each logged apart."""
-    extra = ("run.steps=4", "run.max_staleness=2", WEIGHTED_REWARDS)
+    """run.max_staleness=2 with partial rollouts: step t trains on rollouts whose first 16
+    tokens were sampled by policy version max(0, t - 2) and the rest by max(0, t - 1), collected
+    in the background pipeline, the engines loading snapshots of the policy (the newer one in
+    the middle of the batch). Killed once step 0 commits (its checkpoint holds steps 1 and 2's
+    rollouts; step 3's are sampled after the resume from the checkpoint's own weights), then,
+    resumed, its GeneratorActor killed once the resumed run commits its first step (recovered
+    within the run: the pipeline restarts from that checkpoint), the run ends bit-identical to
+    the uninterrupted one. The reward is math's plus half a format plug-in's
+    (verifier.rewards), each logged apart."""
+    extra = (
+        "run.steps=4",
+        "run.max_staleness=2",
+        f"run.partial_rollout_tokens={PARTIAL_TOKENS}",
+        WEIGHTED_REWARDS,
+    )
     full = run_cli(tiny_train_args(tmp_path / "a", *extra))
     log, _ = full.communicate(timeout=900)
     assert full.returncode == 0, log[-4000:]
@@ -92,7 +102,14 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
     run_a = tmp_path / "a" / "full"
     a = [json.loads(x) for x in (run_a / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout_policy_version"] for m in a] == [0, 0, 0, 1]
-    assert [m["rollout_staleness"] for m in a] == [0, 1, 2, 2]
+    assert [m["rollout_staleness"] for m in a] == [0, 1, 2, 2]  # the oldest tokens'
+    # steps 0 and 1 are sampled by version 0 alone; steps 2 and 3 move one version forward
+    # after 16 tokens, and most of the tiny model's samples are longer
+    assert [m["token_staleness_max"] for m in a] == [0, 1, 2, 2]
+    assert "token_staleness_share_1" not in a[0] and a[1]["token_staleness_share_1"] == 1
+    for m in a[2:]:
+        assert m["token_staleness_share_1"] + m["token_staleness_share_2"] == pytest.approx(1)
+        assert 1 < m["token_staleness_mean"] < 2
     assert json.loads((run_a / "layout.json").read_text())["weight_sync"] == "object_store"
     for m in a:
         parts = m["reward/math_mean"] + 0.5 * m["reward/boxed_format_mean"]
