@@ -176,8 +176,10 @@ class GeneratorActor:
         if self._partial is None:
             raise RuntimeError("end_partial without begin_partial")
         first, last = self._partial[1]
-        self._hold(last)
-        self._partial, self._holding = None, None
+        try:
+            self._hold(last)
+        finally:  # a closed board (the run stopping) ends partial rollouts too
+            self._partial, self._holding = None, None
         if last != first:
             self.weight_version += 1
         return self.weight_version

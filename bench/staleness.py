@@ -2,11 +2,12 @@
 held-out accuracy at equal steps, generated tokens per second of step time, and each side's busy
 share, over seeds.
 
-    .venv/bin/python bench/staleness.py --seeds 0 1 2 --ks 0 1 2 4 --steps 12
+    .venv/bin/python bench/staleness.py --seeds 0 1 2 --ks 0 1 2 4 --steps 12 --partial-ks 2
 
 Every run is the command a user types (`rlvr train --config PRESET --set run.max_staleness=K
---set run.seed=S`); within a seed the values of k run one after another in a rotated order, so no
-k always runs first or last on a machine whose load drifts. Step times leave out step 0 (its
+--set run.seed=S`, plus `--set run.partial_rollout_tokens=L` for the partial-rollout rows of
+`--partial-ks`); within a seed the modes run one after another in a rotated order, so no mode
+always runs first or last on a machine whose load drifts. Step times leave out step 0 (its
 engine and policy warm up) and, for k > 0, the first k steps (the pipeline fills). On one CPU
 machine the engines and the policy share the cores: k > 0 can only recover the time one side
 waits for the other, never add compute; what a cluster gains is `bench/async_sim.py`'s question.
@@ -21,11 +22,20 @@ from pathlib import Path
 
 from harness import ROOT, markdown_table, run_rlvr, write_results  # bench/, the script's directory
 
+Mode = tuple[int, int]
+"""(max_staleness, partial_rollout_tokens)."""
 
-def train(preset: Path, k: int, seed: int, steps: int, out: Path, log: Path) -> Path:
+
+def mode_name(mode: Mode) -> str:
+    k, partial = mode
+    return f"{k}, partial {partial}" if partial else str(k)
+
+
+def train(preset: Path, mode: Mode, seed: int, steps: int, out: Path, log: Path) -> Path:
     """One `rlvr train` run; returns its run directory (a finished one is reused, so an
     interrupted bench picks up where it stopped)."""
-    name = f"k{k}-seed{seed}"
+    k, partial = mode
+    name = f"k{k}-p{partial}-seed{seed}" if partial else f"k{k}-seed{seed}"
     if (out / name / "summary.json").is_file():
         return out / name
     argv = [
@@ -33,6 +43,7 @@ def train(preset: Path, k: int, seed: int, steps: int, out: Path, log: Path) -> 
         "--config",
         str(preset),
         f"--set=run.max_staleness={k}",
+        f"--set=run.partial_rollout_tokens={partial}",
         f"--set=run.seed={seed}",
         f"--set=run.steps={steps}",
         "--set=run.eval_every=0",
@@ -53,6 +64,9 @@ def summarise(run: Path, k: int) -> dict:
         return statistics.median(m[key] for m in steady)
 
     return {
+        "token_staleness_mean": statistics.mean(
+            m.get("token_staleness_mean", m["rollout_staleness"]) for m in steady
+        ),
         "eval_accuracy_before": evals[0]["eval_accuracy"],
         "eval_accuracy": evals[-1]["eval_accuracy"],
         "time_step": median("time_step"),
@@ -66,18 +80,19 @@ def summarise(run: Path, k: int) -> dict:
     }
 
 
-def table(results: dict[int, list[dict]]) -> str:
-    """One row per k: accuracy (mean and standard error over seeds) and the seeds' medians."""
+def table(results: dict[Mode, list[dict]]) -> str:
+    """One row per mode: accuracy (mean and standard error over seeds) and the seeds' medians."""
     rows = []
     sync_step = statistics.median(r["time_step"] for r in results[min(results)])
-    for k, runs in sorted(results.items()):
+    for mode, runs in sorted(results.items()):
         acc = [r["eval_accuracy"] for r in runs]
         se = statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1 else float("nan")
         before = statistics.mean(r["eval_accuracy_before"] for r in runs)
         step = statistics.median(r["time_step"] for r in runs)
         rows.append(
             [
-                k,
+                mode_name(mode),
+                f"{statistics.mean(r['token_staleness_mean'] for r in runs):.2f}",
                 f"{before:.3f}",
                 f"{statistics.mean(acc):.3f} ± {se:.3f}",
                 f"{step:.2f}",
@@ -90,6 +105,7 @@ def table(results: dict[int, list[dict]]) -> str:
         )
     header = [
         "max_staleness",
+        "token staleness (mean)",
         "held-out accuracy before",
         "after (mean ± se)",
         "step s (median)",
@@ -108,23 +124,33 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument(
+        "--partial-ks",
+        type=int,
+        nargs="*",
+        default=[],
+        help="k values also run with partial rollouts",
+    )
+    parser.add_argument("--partial-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "staleness")
     args = parser.parse_args()
     runs_dir = args.out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     log = args.out / "staleness.log"
-    results: dict[int, list[dict]] = {k: [] for k in args.ks}
+    modes = [(k, 0) for k in args.ks] + [(k, args.partial_tokens) for k in args.partial_ks]
+    results: dict[Mode, list[dict]] = {mode: [] for mode in modes}
     for i, seed in enumerate(args.seeds):
-        order = args.ks[i % len(args.ks) :] + args.ks[: i % len(args.ks)]
-        for k in order:
-            run = train(args.config, k, seed, args.steps, runs_dir, log)
-            results[k].append({"seed": seed, **summarise(run, k)})
-            print(f"seed {seed} k {k}: {results[k][-1]}", flush=True)
+        for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+            run = train(args.config, mode, seed, args.steps, runs_dir, log)
+            results[mode].append({"seed": seed, **summarise(run, mode[0])})
+            print(f"seed {seed} k {mode_name(mode)}: {results[mode][-1]}", flush=True)
     text = f"`{args.config.relative_to(ROOT)}`, {args.steps} steps, seeds {args.seeds}\n\n" + table(
         results
     )
     print(text)
-    write_results(args.out, "staleness", text, results)
+    write_results(
+        args.out, "staleness", text, {mode_name(mode): runs for mode, runs in results.items()}
+    )
 
 
 if __name__ == "__main__":
