@@ -213,7 +213,7 @@ class Trainer:
         metrics.update(reward_part_stats(rollouts.reward_parts))
         metrics.update(group_stats(rollouts.rewards, rollouts.group_ids))
         metrics.update(agent_stats(rollouts.flags))
-        metrics.update(token_staleness(rollouts.flags, step))
+        metrics.update(token_staleness(got.trained.flags, step))
         metrics.update(uncomputed)
         metrics.update(shape_stats)
         metrics.update(got.stats)

@@ -113,7 +113,7 @@ def agent_stats(flags: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 
 
 def token_staleness(flags: Sequence[Mapping[str, Any]], step: int) -> dict[str, float]:
-    """Per step: the staleness (step - sampling version) of the model tokens of rollouts that
+    """Per step: the staleness (step - sampling version) of the model tokens of the rollouts that
     record their versions: mean, max, and the share of tokens at each staleness; {} when none
     does (rollouts not sampled by segments)."""
     counts: dict[int, int] = {}
