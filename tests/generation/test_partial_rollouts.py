@@ -119,6 +119,13 @@ def test_no_pause_when_every_sample_ends_before_the_boundary(backend, weights):
     out = backend.generate(_requests(1), short, segments=Segments(BOUNDARY, (0, 1), versions))
     assert versions.held == [0]
     assert all(s.flags[POLICY_VERSIONS] == [[0, len(s.token_ids)]] for r in out for s in r.samples)
+    # what the same call samples without segments, token for token (partial rollouts that never
+    # pause are the plain ones)
+    plain = backend.generate(_requests(1), short)
+    for r, q in zip(out, plain, strict=True):
+        for s, t in zip(r.samples, q.samples, strict=True):
+            assert (s.token_ids, s.finish_reason, s.text) == (t.token_ids, t.finish_reason, t.text)
+            assert s.logprobs == pytest.approx(t.logprobs, abs=LOGPROB_ATOL)
 
 
 class Observe:
