@@ -167,6 +167,7 @@ def test_a_run_with_stale_rollouts_gets_the_pipeline_panels():
             "busy_share_engines": 0.5,
             "busy_share_policy": 0.75,
             "mfu_train": 0.2,
+            "token_staleness_mean": s * 0.75,
         }
         for s, wait in ((0, 2.0), (1, 0.0))
     ]
@@ -187,6 +188,8 @@ def test_a_run_with_stale_rollouts_gets_the_pipeline_panels():
         "MFU train",
     ]
     assert stale.get_lines()[0].get_ydata().tolist() == [0, 1]
+    assert stale.get_lines()[1].get_label() == "trained tokens' mean staleness"
+    assert stale.get_lines()[1].get_ydata().tolist() == [0, 0.75]  # partial rollouts
     synchronous = [{**r, "rollout_staleness": 0} for r in rows]
     assert len(plot_overview(metrics_frame(synchronous), metrics_frame([])).axes) == 4
 

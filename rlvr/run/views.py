@@ -153,6 +153,9 @@ def plot_overview(metrics: pd.DataFrame, evals: pd.DataFrame) -> Figure:
         line(ax_busy, metrics, "mfu_train", "MFU train", marker="x")
         ax_busy.set(title="utilisation (share)", xlabel="step", ylim=(0, 1.05))
         line(ax_stale, metrics, "rollout_staleness", "rollout staleness (versions)")
+        line(
+            ax_stale, metrics, "token_staleness_mean", "trained tokens' mean staleness", marker="x"
+        )
         line(ax_stale, metrics, "pipeline_ready_batches", "batches ready")
         ax_stale.set(title="pipeline", xlabel="step")
 
