@@ -74,6 +74,9 @@ class GeneratorActor:
         """(tokens, versions, board) of partial rollouts in progress."""
         self._holding: int | None = None
         """The policy version loaded, while partial rollouts are in progress."""
+        self._waited = self._wait_counted = 0.0
+        """Seconds the current partial rollouts spent waiting for and loading a version, and
+        the part of them already left out of a call's generation time."""
 
     def ready(self) -> bool:
         return True
@@ -168,11 +171,13 @@ class GeneratorActor:
         `versions[1]`, fetched from `board` (`actors.versions.VersionBoard`) when needed."""
         self._partial = (tokens, versions, board)
         self._holding = versions[0]
+        self._waited = self._wait_counted = 0.0
 
-    def end_partial(self) -> int:
+    def end_partial(self) -> dict[str, float]:
         """End partial rollouts holding their second version (what the next batch starts from,
         and the same on every engine whether or not its trajectories reached it); returns the
-        weight version, one up when the weights changed."""
+        weight version, one up when the weights changed, and the seconds the calls waited for
+        and loaded versions (`wait_s`: part of their time, none of their generation)."""
         if self._partial is None:
             raise RuntimeError("end_partial without begin_partial")
         first, last = self._partial[1]
@@ -182,7 +187,7 @@ class GeneratorActor:
             self._partial, self._holding = None, None
         if last != first:
             self.weight_version += 1
-        return self.weight_version
+        return {"version": self.weight_version, "wait_s": self._waited}
 
     def _segments(self) -> Segments | None:
         if self._partial is None:
@@ -194,15 +199,18 @@ class GeneratorActor:
         """Load policy `version` from the board unless it is loaded (no request is running)."""
         assert self._partial is not None
         if self._holding != version:
+            start = time.perf_counter()
             weights = fetch_snapshot(self._partial[2], version)
             self.backend.load_weights(weights.items())
             del weights
             release_free_heap()
             self._holding = version
+            self._waited += time.perf_counter() - start
 
     def _count(self, start: float, tokens: int) -> None:
-        """Book a generation call's time and tokens."""
-        self.seconds += time.perf_counter() - start
+        """Book a generation call's time (less its waits for a version) and tokens."""
+        waited, self._wait_counted = self._waited - self._wait_counted, self._waited
+        self.seconds += time.perf_counter() - start - waited
         self.tokens += tokens
         # The step's logits and sampler buffers are free now; the engine idles while the policy
         # trains, and should not hold them meanwhile.

@@ -18,6 +18,13 @@ engines in `sync_s` (trainer and engines both held).
   pause between decode steps, load the weights and continue them (a group's version is its
   oldest token's). At k = 0 this is the synchronous schedule exactly.
 
+- batches, staleness k (what `run.max_staleness` runs, `workflows/rollout_pipeline.py`): the
+  engines collect whole batches in step order, batch t once version max(0, t - k) exists and the
+  batch before is collected; step t trains once batch t is collected. With partial rollouts of L
+  tokens (`run.partial_rollout_tokens`), batch t samples every request's first L tokens with
+  that version, then, once version max(0, t - k + 1) exists, the rest, its requests' prefill
+  recomputed. The weight sync's seconds make a version exist; the engines' loads are in them.
+
 Not modelled: a KV-cache limit on running requests, stragglers, network contention, and the
 2-core case where engines and trainers share CPUs (see `validate`).
 
@@ -28,6 +35,7 @@ Not modelled: a KV-cache limit on running requests, stragglers, network contenti
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import math
@@ -181,6 +189,51 @@ def simulate_sync(lengths: Lengths, layout: Layout, costs: Costs, steps: int) ->
         trainer_busy += train
         timeline.staleness += [0] * b
         timeline.record(now, engine_busy, trainer_busy, costs.sync_s)
+    return timeline
+
+
+def simulate_batches(
+    lengths: Lengths,
+    layout: Layout,
+    costs: Costs,
+    steps: int,
+    max_staleness: int,
+    partial_tokens: int = 0,
+) -> Timeline:
+    """The fixed-lag schedule of whole batches (see the module doc), in closed form; group i of a
+    batch runs on engine i mod E and a batch is collected when its slowest engine is done."""
+    if max_staleness < 0 or partial_tokens < 0:
+        raise ValueError("max_staleness and partial_tokens must be >= 0")
+    b, k = layout.groups_per_step, max_staleness
+    timeline = Timeline(layout.engines)
+    exists = [0.0]  # when each policy version exists
+    engines_free = step_end = engine_busy = trainer_busy = 0.0
+
+    def collect(groups: list[np.ndarray], start: float) -> float:
+        nonlocal engine_busy
+        per_engine = [
+            engine_seconds(groups[e :: layout.engines], costs) for e in range(layout.engines)
+        ]
+        engine_busy += sum(per_engine)
+        return start + max(per_engine)
+
+    for t in range(steps):
+        groups = [lengths.group(t * b + i) for i in range(b)]
+        first = max(0, t - k)
+        start = max(engines_free, exists[first])
+        if partial_tokens:
+            head = [np.minimum(g, partial_tokens) for g in groups]
+            tail = [g[g > partial_tokens] - partial_tokens for g in groups]
+            paused = collect(head, start)
+            engines_free = collect(tail, max(paused, exists[max(0, t - k + 1)]))
+        else:
+            engines_free = collect(groups, start)
+        train = costs.train(np.concatenate(groups))
+        step_end = max(step_end, engines_free) + train + costs.sync_s
+        exists.append(step_end)
+        trainer_busy += train
+        timeline.staleness += [t - first] * b
+        timeline.record(step_end, engine_busy, trainer_busy, costs.sync_s)
     return timeline
 
 
@@ -386,6 +439,7 @@ class MeasuredRun:
     max_staleness: int
     metrics: list[dict]
     groups: np.ndarray  # [groups, group_size]
+    partial_tokens: int = 0
 
     @classmethod
     def load(cls, run_dir: Path) -> MeasuredRun:
@@ -404,6 +458,7 @@ class MeasuredRun:
             int(config["run"].get("max_staleness", config["run"].get("off_policy_steps", 0))),
             metrics,
             np.asarray(lengths).reshape(-1, group_size),
+            int(config["run"].get("partial_rollout_tokens", 0)),
         )
 
     @property
@@ -413,7 +468,8 @@ class MeasuredRun:
     def collect_s(self, step: int) -> float:
         """Seconds the engine spent collecting step `step`'s batch (generation + scoring)."""
         m = self.metrics[step]
-        return m["time_generate"] + m.get("time_verify", 0.0)
+        # partial rollouts: the engines' wait for the newer version is inside time_generate
+        return m["time_generate"] - m.get("time_wait_version", 0.0) + m.get("time_verify", 0.0)
 
     def window(self) -> range:
         """The steady steps: after the first (warm-up) or the first k (the pipeline fills), and
@@ -459,19 +515,19 @@ class MeasuredRun:
         ]
         return Costs(step_s, token_s, 0.0, train_token_s, 0.0, fixed_s, statistics.mean(between))
 
-    def predict(self, costs: Costs) -> dict[str, float]:
-        """The model's step time and shares for this run's schedule, lengths and `costs`."""
+    def predict(self, costs: Costs, batches: bool = False) -> dict[str, float]:
+        """The model's step time and shares for this run's lengths and `costs`, on the
+        streaming schedule or (`batches`) the fixed-lag batches the pipeline runs."""
         layout = Layout(1, self.groups_per_step, self.groups.shape[1])
         # the model admits up to k batches past the run's last step; those never reach the
         # measured window, so the run's first batches stand in for them
         extra = self.groups[: (self.max_staleness + 1) * self.groups_per_step]
-        timeline = simulate(
-            Lengths(rows=np.concatenate([self.groups, extra])),
-            layout,
-            costs,
-            len(self.metrics) - 1,
-            self.max_staleness if self.max_staleness else None,
-        )
+        lengths = Lengths(rows=np.concatenate([self.groups, extra]))
+        steps, k = len(self.metrics) - 1, self.max_staleness
+        if batches:
+            timeline = simulate_batches(lengths, layout, costs, steps, k, self.partial_tokens)
+        else:
+            timeline = simulate(lengths, layout, costs, steps, k if k else None)
         return timeline.window(warmup=1)
 
 
@@ -488,17 +544,22 @@ def validate(run_dirs: Sequence[Path], out: Path) -> str:
         measured = run.measured()
         for source in [run, *[s for s in sync_runs if s is not run]]:
             predicted = run.predict(source.fit_costs())
+            batched = run.predict(source.fit_costs(), batches=True)
             error = predicted["step_s"] / measured["step_s"] - 1
+            batched_error = batched["step_s"] / measured["step_s"] - 1
             rows.append(
                 [
                     run.name,
                     run.max_staleness,
+                    run.partial_tokens,
                     source.name,
                     f"{measured['step_s']:.2f}",
-                    f"{predicted['step_s']:.2f}",
-                    f"{error:+.0%}",
-                    f"{measured['engine_idle']:.2f} / {predicted['engine_idle']:.2f}",
-                    f"{measured['trainer_idle']:.2f} / {predicted['trainer_idle']:.2f}",
+                    f"{predicted['step_s']:.2f} / {batched['step_s']:.2f}",
+                    f"{error:+.0%} / {batched_error:+.0%}",
+                    f"{measured['engine_idle']:.2f} / {predicted['engine_idle']:.2f} / "
+                    f"{batched['engine_idle']:.2f}",
+                    f"{measured['trainer_idle']:.2f} / {predicted['trainer_idle']:.2f} / "
+                    f"{batched['trainer_idle']:.2f}",
                 ]
             )
             data.append(
@@ -507,18 +568,20 @@ def validate(run_dirs: Sequence[Path], out: Path) -> str:
                     "costs_from": source.name,
                     "measured": measured,
                     "predicted": predicted,
+                    "predicted_batches": batched,
                     "costs": source.fit_costs().__dict__,
                 }
             )
     header = [
         "run",
         "max_staleness",
+        "partial tokens",
         "costs from",
         "step s",
-        "predicted",
-        "error",
-        "engine idle meas / pred",
-        "trainer idle meas / pred",
+        "predicted stream / batches",
+        "error stream / batches",
+        "engine idle meas / stream / batches",
+        "trainer idle meas / stream / batches",
     ]
     text = (
         "Measured against predicted (steady steps: after the first max(1, k) and before the "
@@ -594,6 +657,13 @@ MODES: tuple[tuple[str, int | None, bool], ...] = (
     ("k=2 partial", 2, True),
     ("k=4 partial", 4, True),
 )
+"""Streaming schedules: (name, max_staleness or None for sync, partial rollouts)."""
+BATCH_MODES: tuple[tuple[str, int, int], ...] = (
+    ("batches k=1", 1, 0),
+    ("batches k=2", 2, 0),
+    ("batches k=2, partial 256", 2, 256),
+)
+"""What the rollout pipeline runs: (name, max_staleness, partial rollout tokens)."""
 SPLITS = (0.25, 0.5, 0.75)  # engines' share of the GPUs; each mode gets its best split
 
 
@@ -608,16 +678,18 @@ def project(distributions: dict[str, Callable], gpus: Sequence[int], steps: int,
                 Lengths(draw=draw, seed=0), Layout(g, b, 8), cluster_costs(g, g), steps
             ).window(2)["step_s"]
             best: dict[str, tuple[float, float, dict]] = {}  # step s, engine share, window
-            for name, k, partial in MODES:
+            schedules = [
+                (name, functools.partial(simulate, max_staleness=k, partial=partial))
+                for name, k, partial in MODES
+            ] + [
+                (name, functools.partial(simulate_batches, max_staleness=k, partial_tokens=n))
+                for name, k, n in BATCH_MODES
+            ]
+            for name, schedule in schedules:
                 for share in SPLITS:
                     e = max(1, round(g * share))
-                    timeline = simulate(
-                        Lengths(draw=draw, seed=0),
-                        Layout(e, b, 8),
-                        cluster_costs(e, g - e),
-                        steps,
-                        k,
-                        partial,
+                    timeline = schedule(
+                        Lengths(draw=draw, seed=0), Layout(e, b, 8), cluster_costs(e, g - e), steps
                     )
                     w = timeline.window(2) | {"dropped_per_step": timeline.dropped / steps}
                     if name not in best or w["step_s"] < best[name][0]:
@@ -680,12 +752,12 @@ def plot(data: list[dict], path: Path) -> None:
     dists = sorted({d["lengths"] for d in data})
     fig, axes = plt.subplots(1, len(dists), figsize=(6 * len(dists), 4), squeeze=False)
     for ax, dist in zip(axes[0], dists, strict=True):
-        for name, _, _ in MODES:
+        for name in [m[0] for m in MODES + BATCH_MODES]:
             pts = [d for d in data if d["lengths"] == dist and d["mode"] == name]
             ax.plot(
                 [d["gpus"] for d in pts],
                 [d["colocated_sync_step_s"] / d["step_s"] for d in pts],
-                "o-",
+                "o--" if name.startswith("batches") else "o-",
                 label=name,
             )
         for label, lo, hi in (("AReaL", 2.77, 2.77), ("verl", 1.72, 2.67), ("ROLL", 2.24, 2.24)):

@@ -112,3 +112,44 @@ def test_bad_input_is_refused():
         sim.Lengths(rows=np.array([[0, 3]]))
     with pytest.raises(IndexError):
         sim.simulate_sync(sim.Lengths(rows=np.array([[3]])), sim.Layout(1, 1, 1), COSTS, 2)
+
+
+def test_fixed_lag_batches_one_step_ahead_by_hand():
+    """k = 1, one 10-token sample per step: batch 0 (0.002 + 10 x 0.011) then step 0 (0.501 +
+    0.2); batch 1 (version 0) runs during step 0, so every later step is training + sync."""
+    timeline = sim.simulate_batches(fixed(10, 1), sim.Layout(1, 1, 1), COSTS, 3, 1)
+    first = 0.002 + 10 * 0.011 + 0.501 + 0.2
+    assert timeline.step_ends == pytest.approx([first, first + 0.701, first + 1.402], rel=EXACT)
+    assert timeline.staleness == [0, 1, 1]
+
+
+def test_fixed_lag_partial_batches_wait_for_the_next_version_by_hand():
+    """k = 1, partial after 4 of 10 tokens: batch 1's head (version 0) runs during step 0, its
+    tail (6 tokens, prefill recomputed) only once version 1 exists, at step 0's end."""
+    timeline = sim.simulate_batches(fixed(10, 1), sim.Layout(1, 1, 1), COSTS, 2, 1, 4)
+    batch0_head = 0.002 + 4 * 0.011
+    batch0_tail = 0.002 + 6 * 0.011  # version 0 again (max(0, 0 - 1 + 1)): no wait
+    s0 = batch0_head + batch0_tail + 0.501 + 0.2
+    s1 = s0 + 0.002 + 6 * 0.011 + 0.501 + 0.2  # batch 1's tail after s0, then step 1
+    assert timeline.step_ends == pytest.approx([s0, s1], rel=EXACT)
+
+
+def test_fixed_lag_batches_at_staleness_zero_are_the_synchronous_schedule():
+    layout = sim.Layout(engines=3, groups_per_step=5, group_size=4)
+    sync = sim.simulate_sync(lognormal(), layout, COSTS, steps=6)
+    batches = sim.simulate_batches(lognormal(), layout, COSTS, 6, 0)
+    assert batches.step_ends == pytest.approx(sync.step_ends, rel=1e-9)
+    assert batches.engine_busy == pytest.approx(sync.engine_busy, rel=1e-9)
+    assert batches.staleness == [0] * 30
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_fixed_lag_batches_are_never_slower_and_exactly_k_stale(k):
+    layout = sim.Layout(engines=4, groups_per_step=8, group_size=4)
+    sync = sim.simulate_sync(lognormal(1), layout, COSTS, steps=10)
+    batches = sim.simulate_batches(lognormal(1), layout, COSTS, 10, k)
+    assert batches.step_ends[-1] <= sync.step_ends[-1]
+    assert batches.staleness == [min(t, k) for t in range(10) for _ in range(8)]
+    # partial rollouts past every sample's length are the whole batches
+    never = sim.simulate_batches(lognormal(1), layout, COSTS, 10, k, partial_tokens=10_000)
+    assert never.step_ends == pytest.approx(batches.step_ends, rel=1e-9)

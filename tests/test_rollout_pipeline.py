@@ -333,6 +333,7 @@ class PartialPool:
         if method == "begin_partial":
             tokens, versions, self.board = args
             self.begun.append((tokens, versions))
+        return 0.25 if method == "end_partial" else None  # the engines' longest version wait
 
 
 def test_partial_versions_move_one_version_at_most():
@@ -349,6 +350,11 @@ def test_partial_batches_begin_on_their_versions_and_post_every_snapshot():
     )
     pipe.start(sync, None, 0)
     try:
+        pipe.fill(0)
+        assert pipe.batches[0].finish() is None and pipe.batches[0].times == {
+            "time_generate": 1.5,
+            "time_wait_version": 0.25,
+        }
         for step in range(6):
             train_step(pipe, sync, step)
         begun = sync.generator.begun

@@ -265,9 +265,13 @@ class GeneratorPool:
 
     def _end_partial(self) -> FanOut:
         """Every engine ends partial rollouts on their second version; adopts the engines' one
-        weight version."""
+        weight version and returns the longest an engine waited for versions (seconds)."""
         parts = [(w, w.call("end_partial")) for w in self.workers]
-        return FanOut(parts, self._adopt_version)
+        return FanOut(parts, self._merge_partial)
+
+    def _merge_partial(self, ends: list[dict[str, float]]) -> float:
+        self._adopt_version([int(end["version"]) for end in ends])
+        return max(end["wait_s"] for end in ends)
 
     def _adopt_version(self, versions: list[int]) -> int:
         self.weight_version = self._common_version(versions)

@@ -293,7 +293,8 @@ class RolloutPipeline:
                 self.services, problems, plan, params, batch.step, batch.times
             )
         finally:
-            pool.run("end_partial", step=batch.step)
+            # part of the batch's time_generate, spent waiting for the newer version
+            batch.times["time_wait_version"] = pool.run("end_partial", step=batch.step)
             self.feed.loaded = versions[1]
 
     def ready(self) -> int:
