@@ -132,6 +132,8 @@ class Timeline:
     syncs: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
     dropped: int = 0
+    engines_sync: bool = True
+    """Whether the engines stop for the weight sync (False: they load snapshots on their own)."""
 
     def window(self, warmup: int) -> dict[str, float]:
         """Mean step time and busy / sync / idle shares over steps warmup .. end."""
@@ -149,7 +151,7 @@ class Timeline:
         return {
             "step_s": span / steps,
             "engine_busy": engine,
-            "engine_idle": 1.0 - engine - sync / span,
+            "engine_idle": 1.0 - engine - (sync / span if self.engines_sync else 0.0),
             "trainer_busy": trainer,
             "trainer_idle": 1.0 - trainer - sync / span,
             "sync": sync / span,
@@ -205,7 +207,7 @@ def simulate_batches(
     if max_staleness < 0 or partial_tokens < 0:
         raise ValueError("max_staleness and partial_tokens must be >= 0")
     b, k = layout.groups_per_step, max_staleness
-    timeline = Timeline(layout.engines)
+    timeline = Timeline(layout.engines, engines_sync=False)
     exists = [0.0]  # when each policy version exists
     engines_free = step_end = engine_busy = trainer_busy = 0.0
 
