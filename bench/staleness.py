@@ -8,7 +8,8 @@ Every run is the command a user types (`rlvr train --config PRESET --set run.max
 --set run.seed=S`, plus `--set run.partial_rollout_tokens=L` for the partial-rollout rows of
 `--partial-ks`); within a seed the modes run one after another in a rotated order, so no mode
 always runs first or last on a machine whose load drifts. Step times leave out step 0 (its
-engine and policy warm up) and, for k > 0, the first k steps (the pipeline fills). On one CPU
+engine and policy warm up) and, for k > 0, the first k steps (the pipeline fills) and the last k
+(nothing is left to collect ahead). On one CPU
 machine the engines and the policy share the cores: k > 0 can only recover the time one side
 waits for the other, never add compute; what a cluster gains is `bench/async_sim.py`'s question.
 """
@@ -57,7 +58,9 @@ def train(preset: Path, mode: Mode, seed: int, steps: int, out: Path, log: Path)
 def summarise(run: Path, k: int) -> dict:
     """A run's final held-out accuracy and its steady steps' medians."""
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steady = metrics[max(1, k) :]
+    # past the first max(1, k) steps (warm-up, the pipeline filling) and before the last k (no
+    # batch left to collect ahead: the engines idle)
+    steady = metrics[max(1, k) : len(metrics) - k]
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
 
     def median(key: str) -> float:
