@@ -125,7 +125,7 @@ def check_cluster(
         if need > have + 1e-9:
             what = "CPUs" if resource == "CPU" else "GPUs" if resource == "GPU" else resource
             lower = keys.get(resource, "resources.policy_resources / generator_resources")
-            juniors = f" (with {extra} junior engines)" if extra else ""
+            juniors = f" (with {extra} junior engine{'s' * (extra > 1)})" if extra else ""
             raise ConfigError(
                 f"invalid config: resources: the actors need {need:g} {what}{juniors} but "
                 f"{have:g} are available; lower {lower}"

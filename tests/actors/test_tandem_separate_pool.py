@@ -15,7 +15,7 @@ from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.models.tiny import build_tiny_model
 from workflows.components import companion_kwargs, generator_kwargs
 from workflows.generator_pool import GeneratorPool
-from workflows.workers import Worker
+from workflows.workers import ActorFailure, Worker
 
 LOGPROB_ATOL = 1e-4
 ENGINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -112,3 +112,15 @@ def test_separate_engines_dispatch_seed_exactly_and_sync_the_senior_only(
         pool.generate(_requests(), params, tandem=True, step=1),
         shared.generate(_requests(), params, tandem=True),
     )
+
+
+@pytest.mark.ray
+def test_a_lost_junior_engine_is_a_lost_actor_for_recovery(separate):
+    """Runs last: it kills a junior. Its senior's call fails as lost, so the run restarts its
+    actors (`run.max_failures`) instead of failing as on an error in the call."""
+    workers, juniors = separate
+    ray.kill(juniors[0], no_restart=True)
+    with pytest.raises(ActorFailure, match="GeneratorActor 0 failed at step 2") as failure:
+        params = SamplingParams(max_tokens=4)
+        workers[0].run("generate", _requests(), params, tandem=True, step=2)
+    assert failure.value.lost
