@@ -5,8 +5,9 @@ object store on CPU) and keeps a running tokens/s figure. DUET's stop rule is bu
 settings, because it decodes with this process's tokenizer (a decode function does not travel).
 In Tandem mode it also holds the frozen junior (in the same engine, or, in the separate form, a
 companion GeneratorActor of its own that writes the junior's segments) and the word-switch
-schedule built from this process's tokenizer; `update_weights` reaches the senior only. Multi-turn rollouts
-(`generate_trajectories`) run on the backend's engine loop, their turn callbacks in this process.
+schedule built from this process's tokenizer; `update_weights` reaches the senior only.
+Multi-turn rollouts (`generate_trajectories`) run on the backend's engine loop, their turn
+callbacks in this process.
 """
 
 from __future__ import annotations
