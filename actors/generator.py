@@ -3,12 +3,14 @@
 Receives new weights after every training step through `update_weights` (named tensors via the
 object store on CPU) and keeps a running tokens/s figure. DUET's stop rule is built here from plain
 settings, because it decodes with this process's tokenizer (a decode function does not travel).
-In Tandem mode it also holds the frozen junior (in the same engine) and the word-switch schedule
-built from this process's tokenizer; `update_weights` reaches the senior only. Multi-turn rollouts
-(`generate_trajectories`) run on the backend's engine loop, their turn callbacks in this process.
-Between `begin_partial` and `end_partial` every call samples partial rollouts: each trajectory's
-first tokens with one policy version, the rest with the next, which the engine fetches from the
-pipeline's `VersionBoard` and loads between decode steps (`rlvr.generation.segments`).
+In Tandem mode it also holds the frozen junior (in the same engine, or, in the separate form, a
+companion GeneratorActor of its own that writes the junior's segments) and the word-switch
+schedule built from this process's tokenizer; `update_weights` reaches the senior only.
+Multi-turn rollouts (`generate_trajectories`) run on the backend's engine loop, their turn
+callbacks in this process. Between `begin_partial` and `end_partial` every call samples partial
+rollouts: each trajectory's first tokens with one policy version, the rest with the next, which
+the engine fetches from the pipeline's `VersionBoard` and loads between decode steps
+(`rlvr.generation.segments`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from actors.versions import fetch_snapshot
 from rlvr.algorithms.duet.stop import StopControllerFactory
-from rlvr.algorithms.tandem import WordSwitchSchedule, word_boundary_ids
+from rlvr.algorithms.tandem import JUNIOR, SENIOR, WordSwitchSchedule, word_boundary_ids
 from rlvr.envs.rollout import AgentRequest, Agents, EnvSettings
 from rlvr.generation import make_backend
 from rlvr.generation.base import (
@@ -33,6 +35,8 @@ from rlvr.generation.base import (
     StopRuleFactory,
 )
 from rlvr.generation.segments import Segments
+from rlvr.generation.tandem_separate import Handoff, SegmentWriter, cowrite, ready
+from rlvr.generation.tandem_support import check_same_tokenizer
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 from rlvr.memory import pin_mmap_threshold, release_free_heap
 from rlvr.training import weight_sync
@@ -48,9 +52,14 @@ class GeneratorActor:
         tandem: dict[str, Any] | None = None,
         address: str | None = None,
         mmap_threshold_kib: int = 0,
+        companion: Any = None,
         **backend_kwargs: Any,
     ):
-        """`tandem` ({"junior_path", "p", "cap"}) starts the engine with Tandem's junior.
+        """`tandem` ({"junior_path", "p", "cap", "junior"}) starts the engine with Tandem's
+        junior: inside this engine ("junior": "shared", the default), or in `companion`, the
+        junior's own GeneratorActor (an actor handle or an object in this process), for
+        "junior": "separate". A companion itself is started on the junior's weights with
+        {"p", "cap", "role": "junior"} and only writes the junior's segments (`write_segments`).
         `address`: where the engine's gloo / NCCL groups and the weight group listen (None: they
         choose). `mmap_threshold_kib`: see `pin_mmap_threshold` (0: glibc's default)."""
         if mmap_threshold_kib:
@@ -58,7 +67,16 @@ class GeneratorActor:
         torch.set_num_threads(threads)
         if address is not None:
             bind_collectives(address)
-        if tandem is not None:
+        self.role = SENIOR
+        self.companion = None
+        if tandem is not None and tandem.get("role") == "junior":
+            self.role = JUNIOR
+        elif tandem is not None and tandem.get("junior") == "separate":
+            if companion is None:
+                raise ValueError("a separate Tandem junior needs its engine (companion)")
+            check_same_tokenizer(model_path, tandem["junior_path"])
+            self.companion = companion
+        elif tandem is not None:
             backend_kwargs["junior_path"] = tandem["junior_path"]
         self.backend = make_backend(backend, model_path, **backend_kwargs)
         self.schedule: WordSwitchSchedule | None = None
@@ -105,12 +123,25 @@ class GeneratorActor:
                 decode=self._decode, request_sizes=[r.n for r in requests], **duet_stop
             )
         t = time.perf_counter()
-        kwargs: dict[str, Any] = {} if loop is None else {"loop": loop}
-        if self._partial is not None:
-            kwargs["segments"] = self._segments()
-        results = self.backend.generate(
-            requests, params, stop_rule_factory, schedule=schedule, **kwargs
-        )
+        if schedule is not None and self.companion is not None:
+            if stop_rule_factory is not None:
+                raise ValueError("stop rules and tandem generation cannot be combined")
+            results = cowrite(
+                requests,
+                params,
+                schedule,
+                senior=self._segment_writer(self.backend, params),
+                junior=self._segment_writer(self.companion, params),
+                decode=self._decode,
+                context_limit=self.backend.context_limit,
+            )
+        else:
+            kwargs: dict[str, Any] = {} if loop is None else {"loop": loop}
+            if self._partial is not None:
+                kwargs["segments"] = self._segments()
+            results = self.backend.generate(
+                requests, params, stop_rule_factory, schedule=schedule, **kwargs
+            )
         self._count(t, sum(len(s.token_ids) for r in results for s in r.samples))
         return results
 
@@ -125,6 +156,8 @@ class GeneratorActor:
         """Run multi-turn rollouts (`rlvr.generation.trajectories`) on this engine; their turn
         callbacks run in this process. `tandem` and `weight_version` as in `generate`."""
         schedule = self._checked(tandem, weight_version)
+        if schedule is not None and self.companion is not None:
+            raise ValueError("a separate Tandem junior co-writes single-turn samples only")
         t = time.perf_counter()
         results = self.backend.generate_trajectories(
             trajectories, params, limits, schedule, self._segments()
@@ -159,7 +192,7 @@ class GeneratorActor:
             raise ValueError(
                 f"engine at weight version {self.weight_version}, the step expects {weight_version}"
             )
-        if tandem and self.schedule is None:
+        if tandem and (self.schedule is None or self.role != SENIOR):
             raise ValueError("tandem generation needs a GeneratorActor started with a junior")
         if tandem and self._partial is not None:
             raise ValueError("tandem generation cannot be sampled as partial rollouts")
@@ -206,6 +239,39 @@ class GeneratorActor:
             release_free_heap()
             self._holding = version
             self._waited += time.perf_counter() - start
+
+    def write_segments(
+        self, handoffs: list[Handoff], params: SamplingParams, stop_token_ids: list[int]
+    ) -> list[Handoff]:
+        """A companion junior's turn: continue each sample until the senior's next token or its
+        end (`rlvr.generation.tandem_separate`); `stop_token_ids` are the senior's."""
+        if self.role != JUNIOR:
+            raise ValueError("write_segments runs on a Tandem junior's own engine only")
+        t = time.perf_counter()
+        before = sum(len(h.response_ids) for h in handoffs)
+        written = self.backend.write_segments(
+            handoffs, params, self.schedule, JUNIOR, stop_token_ids
+        )
+        self.seconds += time.perf_counter() - t
+        self.tokens += sum(len(h.response_ids) for h in written) - before
+        return written
+
+    def _segment_writer(self, engine: Any, params: SamplingParams) -> SegmentWriter:
+        """`cowrite`'s handle on this engine's backend (the senior) or on the companion (the
+        junior: a Ray actor writes while this process writes the senior's segments)."""
+        stop = sorted(self.backend.stop_token_ids)
+
+        def start(handoffs: list[Handoff]):
+            if not handoffs:
+                return ready([])
+            if engine is self.backend:
+                return ready(engine.write_segments(handoffs, params, self.schedule, SENIOR, stop))
+            if isinstance(engine, ray.actor.ActorHandle):
+                pending = engine.write_segments.remote(handoffs, params, stop)
+                return lambda: ray.get(pending)
+            return ready(engine.write_segments(handoffs, params, stop))
+
+        return start
 
     def _count(self, start: float, tokens: int) -> None:
         """Book a generation call's time (less its waits for a version) and tokens."""

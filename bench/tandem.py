@@ -5,6 +5,16 @@ of the same batch on the same engine kind; with --train, GRPO vs Tandem vs KL-to
         --n 4 --max-tokens 128 --repeats 3 [--oracle]
     .venv/bin/python bench/tandem.py --train --steps 12 --seeds 0 1 2 [--eval-n 8]
     .venv/bin/python bench/tandem.py --train --steps 1 --seeds 0 --eval-n 2 --k 1 2   # smoke run
+    .venv/bin/python bench/tandem.py --forms [--junior PATH] --prompts 8 --n 4 --max-tokens 64
+
+Forms mode (`algorithm.tandem.junior`): the transformers engine's rollouts as Ray actors of one
+torch thread each, pinned to cores: `hf solo` (the senior alone), `hf shared` (the junior inside
+the senior's engine, both forwards on every token; also with two threads on both cores) and
+`hf separate` (the junior in its own engine, `rlvr.generation.tandem_separate`) with both engines
+on one core or each on its own. Besides the timings it counts, from the co-written samples'
+authorship, the decode steps on the separate form's critical path (each round costs its longest
+segment) against the shared form's (the longest sample, two forwards a step): the figures a
+two-GPU prediction rests on, where a decode step costs about the same whatever the batch.
 
 Training mode: configs/tiny.yaml (GRPO), tiny-tandem.yaml (Tandem) and tiny-kl-junior.yaml (KL to
 the frozen base) trained with the same seeds and steps through the actors, then each final
@@ -41,6 +51,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from generation_throughput import make_prompts  # noqa: E402  (bench/, the script's directory)
 
+from actors.generator import GeneratorActor  # noqa: E402
 from rlvr.algorithms.tandem import (  # noqa: E402
     WordSwitchSchedule,
     tandem_generate_reference,
@@ -116,6 +127,102 @@ def variants(args: argparse.Namespace) -> tuple[dict[str, Run], list[Callable[[]
     # The tandem engine first: the last vLLM engine to close tears down torch.distributed.
     closers = [tandem_vllm.close, solo_vllm.close]
     return runs, closers
+
+
+class PinnedGenerator(GeneratorActor):
+    """A GeneratorActor whose process runs on the given cores only."""
+
+    def __init__(self, cores: list[int], **kwargs) -> None:
+        os.sched_setaffinity(0, cores)
+        super().__init__(**kwargs)
+
+
+def round_steps(authorships: list[list[int]]) -> dict[str, int]:
+    """Decode steps on each form's critical path, from the co-written samples' authorship.
+
+    `shared_steps`: the shared engine steps once per token of the longest sample (two forwards
+    a step). `rounds`, `critical_steps`: every open sample writes one same-author run per round
+    of `cowrite`, so round k holds each sample's k-th run; an engine steps until its longest run
+    of the round ends, and the two engines of a round work at once: the round costs
+    max(longest run of any sample's k-th run). `continuous_steps`: a sample handed over the moment
+    its run ends (an engine that takes requests while it decodes others) waits for no other
+    sample: its length plus one catch-up prefill per switch, the longest such sample.
+    """
+    runs = []
+    for authorship in authorships:
+        mine: list[tuple[int, int]] = []
+        for author in authorship:
+            if mine and mine[-1][0] == author:
+                mine[-1] = (author, mine[-1][1] + 1)
+            else:
+                mine.append((author, 1))
+        runs.append(mine)
+    rounds = max(len(r) for r in runs)
+    return {
+        "shared_steps": max(len(a) for a in authorships),
+        "rounds": rounds,
+        "critical_steps": sum(max(r[k][1] for r in runs if len(r) > k) for k in range(rounds)),
+        "continuous_steps": max(
+            len(a) + len(r) - 1 for a, r in zip(authorships, runs, strict=True)
+        ),
+    }
+
+
+def forms_variants(args: argparse.Namespace) -> tuple[dict[str, Run], Callable[[], dict]]:
+    """The `--forms` variants as pinned Ray actors, and a function counting the separate
+    form's rounds (`round_steps`) on one call's samples."""
+    import ray
+
+    from rlvr.config import load_config
+
+    start_cluster(load_config(None, ["generation.backend=hf"]), Path(args.out))
+    senior = str(resolve_model_path(args.model))
+    junior = str(resolve_model_path(args.junior) if args.junior else senior)
+    prompts = make_prompts(Path(senior), args.prompts)
+    requests = [
+        GenerationRequest(p, n=args.n, request_id=str(i), seed=1000 * i)
+        for i, p in enumerate(prompts)
+    ]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    tandem = {"junior_path": junior, "p": args.p, "cap": args.cap}
+    common = {"backend": "hf", "dtype": args.dtype, "threads": 1}
+
+    def actor(cores: list[int], threads: int = 1, **kwargs):
+        env = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+        return (
+            ray.remote(PinnedGenerator)
+            .options(num_cpus=0, runtime_env=env)
+            .remote(cores, **{**common, "threads": threads, **kwargs})
+        )
+
+    solo = actor([0], model_path=senior)
+    shared = actor([0], model_path=senior, tandem=tandem)
+    shared_two = actor([0, 1], threads=2, model_path=senior, tandem=tandem)
+    junior_role = {"p": args.p, "cap": args.cap, "role": "junior"}
+    separate = {"tandem": {**tandem, "junior": "separate"}, "model_path": senior}
+    one_core = actor([0], companion=actor([0], model_path=junior, tandem=junior_role), **separate)
+    own_cores = actor([0], companion=actor([1], model_path=junior, tandem=junior_role), **separate)
+
+    def call(engine, tandem_on: bool) -> Run:
+        def run() -> int:
+            results = ray.get(engine.generate.remote(requests, params, tandem=tandem_on))
+            return sum(len(s.token_ids) for r in results for s in r.samples)
+
+        return run
+
+    runs: dict[str, Run] = {
+        "hf solo": call(solo, False),
+        "hf shared": call(shared, True),
+        "hf shared 2 threads": call(shared_two, True),
+        "hf separate one core": call(one_core, True),
+        "hf separate own cores": call(own_cores, True),
+    }
+
+    def rounds() -> dict:
+        results = ray.get(own_cores.generate.remote(requests, params, tandem=True))
+        return round_steps([s.authorship for r in results for s in r.samples])
+
+    return runs, rounds
 
 
 def measure(runs: dict[str, Run], repeats: int) -> dict[str, dict[str, float]]:
@@ -328,6 +435,7 @@ def main() -> None:
     parser.add_argument("--oracle", action="store_true", help="also time the segment loop")
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "tandem"))
     parser.add_argument("--train", action="store_true", help="training comparison mode")
+    parser.add_argument("--forms", action="store_true", help="shared vs separate junior mode")
     parser.add_argument("--steps", type=int, default=12, help="--train: steps per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--train: seeds")
     parser.add_argument("--eval-n", type=int, default=8, help="--train: samples per problem")
@@ -340,13 +448,23 @@ def main() -> None:
     if args.train:
         train_compare(args)
         return
+    extra: dict = {}
+    if args.forms:
+        import ray
 
-    runs, closers = variants(args)
-    try:
-        rows = measure(runs, args.repeats)
-    finally:
-        for close in closers:
-            close()
+        try:
+            runs, rounds = forms_variants(args)
+            rows = measure(runs, args.repeats)
+            extra = rounds()
+        finally:
+            ray.shutdown()
+    else:
+        runs, closers = variants(args)
+        try:
+            rows = measure(runs, args.repeats)
+        finally:
+            for close in closers:
+                close()
 
     print(
         f"model={args.model} junior={args.junior or args.model} prompts={args.prompts} "
@@ -363,12 +481,19 @@ def main() -> None:
             f"{name:<24} {r['seconds']:>8.2f} {r['tokens']:>7.0f} {1000 * r['s_per_token']:>9.2f} "
             f"{r['ratio_wall']:>12.2f} {r['ratio_per_token']:>13.2f}"
         )
+    if extra:
+        print(
+            f"decode steps on the critical path: shared {extra['shared_steps']} (two forwards "
+            f"each); separate {extra['critical_steps']} in {extra['rounds']} rounds; separate "
+            f"with continuous hand-over {extra['continuous_steps']} (one forward each)"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rollout_cost_{Path(args.model).name}.json").write_text(
-        json.dumps({"args": vars(args), "rows": rows}, indent=2)
+    stem = f"{'forms' if args.forms else 'rollout_cost'}_{Path(args.model).name}"
+    (out / f"{stem}.json").write_text(
+        json.dumps({"args": vars(args), "rows": rows, **extra}, indent=2)
     )
-    plot(rows, out / f"rollout_cost_{Path(args.model).name}.png")
+    plot(rows, out / f"{stem}.png")
     print(f"wrote {out}")
 
 

@@ -9,7 +9,7 @@ from rlvr.config import ConfigError, config_from_dict, load_config, override_con
 from rlvr.methods.base import build_method
 from rlvr.methods.laconic.config import laconic_dual
 from rlvr.models.checks import check_model_dir
-from rlvr.run.placement import check_cluster, check_cpus, plan_placement
+from rlvr.run.placement import check_cluster, check_cpus, companions, plan_placement
 from rlvr.serving.config import load_serve_config
 from rlvr.tasks import load_task
 
@@ -545,3 +545,43 @@ def test_overrides_apply_to_a_config_object_as_a_new_one():
     assert laconic.run == cfg.run and laconic is not cfg
     with pytest.raises(ConfigError, match="algorithm.laconic.budget"):
         override_config(cfg, {"algorithm.laconic.budget": -1})
+
+
+SEPARATE = ["algorithm.name=tandem", "algorithm.tandem.junior=separate", "generation.backend=hf"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["generation.backend=vllm"], "generation.backend is 'vllm'"),
+        (["resources.colocate=true"], "resources.colocate"),
+        (["run.max_staleness=1", "training.engine_is=tis"], "run.max_staleness"),
+    ],
+)
+def test_a_separate_tandem_junior_is_refused_where_it_cannot_run(overrides, key):
+    assert load_config(None, ["algorithm.name=tandem"]).algorithm.tandem.junior == "shared"
+    load_config(None, SEPARATE)
+    with pytest.raises(
+        ConfigError, match=rf"algorithm\.tandem\.junior: separate cannot run here: .*{key}"
+    ):
+        load_config(None, [*SEPARATE, *overrides])
+    with pytest.raises(ConfigError, match=r"algorithm\.tandem\.junior: Input should be"):
+        load_config(None, ["algorithm.name=tandem", "algorithm.tandem.junior=both"])
+
+
+def test_separate_junior_engines_are_placed_beside_the_engines():
+    """A junior engine per engine, with an engine's bundle, in the engines' group, after them."""
+    cfg = load_config(None, [*SEPARATE, "resources.generator_engines=2"])
+    plan = plan_placement(cfg.resources, companions(cfg))
+    assert [(g.role, len(g.bundles)) for g in plan.groups] == [("models", 5)]
+    assert (plan.generator, plan.companion) == (((0, 1), (0, 2)), ((0, 3), (0, 4)))
+    per_role = load_config(
+        None, [*SEPARATE, "resources.generator_engines=2", "resources.generator_strategy=SPREAD"]
+    )
+    plan = plan_placement(per_role.resources, companions(per_role))
+    assert plan.companion == ((1, 2), (1, 3)) and len(plan.groups[1].bundles) == 4
+    assert companions(load_config(None, ["algorithm.name=tandem"])) == 0
+    # 1 policy + 2 engines + 2 juniors = 5 CPUs (1 each; the verifiers reserve none by default)
+    check_cpus(cfg, 5)
+    with pytest.raises(ConfigError, match=r"need 5 CPUs \(with 2 junior engines\)"):
+        check_cpus(cfg, 4)

@@ -50,9 +50,22 @@ def test_the_junior_defaults_to_the_senior_start_and_is_checked(tmp_path):
     senior = build_tiny_model(tmp_path / "senior", seed=0)
     cfg = load_config(overrides=["algorithm.name=tandem"])
     assert junior_dir(cfg, senior) == senior
-    tandem = {"junior_path": str(senior), "p": 0.5, "cap": 32}
+    tandem = {"junior_path": str(senior), "p": 0.5, "cap": 32, "junior": "shared"}
     assert build_method(cfg).generator_settings(senior) == {"tandem": tandem}
     assert build_method(Config()).generator_settings(senior) == {}
+    assert not build_method(cfg).companion_engine()
+    separate = load_config(
+        overrides=[
+            "algorithm.name=tandem",
+            "algorithm.tandem.junior=separate",
+            "generation.backend=hf",
+        ]
+    )
+    assert build_method(separate).companion_engine()
+    assert build_method(separate).companion_settings(senior) == {
+        "model_path": str(senior),
+        "tandem": {"p": 0.5, "cap": 32, "role": "junior"},
+    }
 
     other = build_tiny_model(tmp_path / "other", seed=0, corpus=["zebra quokka yak"] * 20)
     for path, message in ((other, "tokenizers differ"), (tmp_path / "none", "neither")):

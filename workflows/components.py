@@ -24,7 +24,7 @@ from actors.verifier import VerifierActor, VerifierPool
 from rlvr.config import Config, ConfigError, ResourcesConfig
 from rlvr.memory import jemalloc_active, preload_jemalloc
 from rlvr.methods.base import build_method
-from rlvr.run.placement import PlacementPlan, plan_placement
+from rlvr.run.placement import PlacementPlan, companions, plan_placement
 from rlvr.training.rendezvous import LOOPBACK, run_addresses
 from rlvr.training.settings import TrainerSettings
 from workflows.generator_pool import GeneratorPool
@@ -167,7 +167,15 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         if cfg.resources.engines_sleep:  # vLLM's own sleep mode (GPUs)
             kw["enable_sleep_mode"] = True
     kw.update(build_method(cfg).generator_settings(model_dir))
-    kw["threads"] = torch_threads(cfg, cfg.resources.generator_engines)
+    kw["threads"] = torch_threads(cfg, cfg.resources.generator_engines + companions(cfg))
+    return kw
+
+
+def companion_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
+    """A companion engine's arguments (`Method.companion_engine`): an engine's, with the
+    method's replacements (Tandem's separate junior: its weights and its role)."""
+    kw = generator_kwargs(cfg, model_dir)
+    kw.update(build_method(cfg).companion_settings(model_dir))
     return kw
 
 
@@ -221,6 +229,9 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
             [Worker(PolicyActor(**policy_kwargs(cfg, model_dir), address=LOOPBACK), "PolicyActor")],
             mini_batches,
         )
+        companion = None
+        if companions(cfg):
+            companion = GeneratorActor(**companion_kwargs(cfg, model_dir))
         generator = GeneratorPool(
             [
                 Worker(
@@ -228,6 +239,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                         **generator_kwargs(cfg, model_dir),
                         mmap_threshold_kib=cfg.resources.malloc_mmap_threshold_kib,
                         address=LOOPBACK,
+                        companion=companion,
                     ),
                     "GeneratorActor",
                 )
@@ -254,7 +266,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
 
     r = cfg.resources
     model_env = allocator_env(r)
-    plan = plan_placement(r)
+    plan = plan_placement(r, companions(cfg))
     groups = place_groups(cfg.run.name, plan)
     layout = placement_layout(groups, plan)
     addresses = run_addresses({name: where["node_ip"] for name, where in layout.items()})
@@ -309,6 +321,23 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         )
     ]
     engines = r.generator_engines
+    junior_workers = [
+        Worker(
+            model_actor(
+                GeneratorActor,
+                "junior" if engines == 1 else f"junior-{i}",
+                plan.companion[i],
+                r.generator_cpus,
+                r.generator_gpus,
+                {
+                    **companion_kwargs(cfg, model_dir),
+                    "mmap_threshold_kib": r.malloc_mmap_threshold_kib,
+                },
+            ),
+            "JuniorEngine" if engines == 1 else f"JuniorEngine {i}",
+        )
+        for i in range(len(plan.companion))
+    ]
     generator_workers = [
         Worker(
             model_actor(
@@ -321,6 +350,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                     **generator_kwargs(cfg, model_dir),
                     "mmap_threshold_kib": r.malloc_mmap_threshold_kib,
                     "address": addresses[f"GeneratorActor {i}"],
+                    "companion": junior_workers[i].target if junior_workers else None,
                 },
             ),
             "GeneratorActor" if engines == 1 else f"GeneratorActor {i}",
@@ -356,6 +386,8 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
         # Wait for the model actors to finish loading so a bad model fails here, named, not
         # mid-step.
         policy.ready()
+        for junior in junior_workers:
+            junior.run("ready")
         generator.ready()
         sync = make_weight_sync(cfg, policy, generator)
     except BaseException:
@@ -402,6 +434,7 @@ def placement_layout(
     addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     members = [(f"PolicyActor {r}", where) for r, where in enumerate(plan.policy)]
     members += [(f"GeneratorActor {i}", where) for i, where in enumerate(plan.generator)]
+    members += [(f"JuniorEngine {i}", where) for i, where in enumerate(plan.companion)]
     out = {}
     for name, (group, bundle) in members:
         node = nodes[group][bundle]

@@ -838,9 +838,10 @@ class ResourcesConfig(Section):
         """One engine's bundle of the run's placement group."""
         return _bundle(self.generator_cpus, self.generator_gpus, self.generator_resources)
 
-    def demand(self, verifiers: bool = True) -> dict[str, float]:
+    def demand(self, verifiers: bool = True, companion_engines: int = 0) -> dict[str, float]:
         """Every resource the run's actors reserve, summed (`verifiers`: with the verifier pool,
-        which sits outside the model actors' placement group)."""
+        which sits outside the model actors' placement group; `companion_engines`: engines with
+        an engine's bundle beside the engines, such as Tandem's separate juniors)."""
         need: dict[str, float] = {}
 
         def add(resources: dict[str, float], times: int) -> None:
@@ -848,7 +849,7 @@ class ResourcesConfig(Section):
                 need[key] = need.get(key, 0.0) + value * times
 
         add(self.policy_bundle(), self.policy_ranks)
-        add(self.generator_bundle(), self.generator_engines)
+        add(self.generator_bundle(), self.generator_engines + companion_engines)
         if verifiers:
             add({"CPU": self.verifier_cpus}, self.num_verifiers)
         return {k: v for k, v in need.items() if v > 0}

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 
 from rlvr.algorithms.nucleus import top_p_filter
-from rlvr.algorithms.tandem import JUNIOR, WordSwitchSchedule
+from rlvr.algorithms.tandem import JUNIOR, SENIOR, WordSwitchSchedule
 from rlvr.generation.base import (
     GenerationRequest,
     GenerationResult,
@@ -37,7 +37,8 @@ from rlvr.generation.engine_loop import (
     sample_trajectories,
 )
 from rlvr.generation.segments import Segments
-from rlvr.generation.tandem_support import check_same_tokenizer, draw_tokens
+from rlvr.generation.tandem_separate import HANDOFF, Handoff
+from rlvr.generation.tandem_support import AuthorTracker, check_same_tokenizer, draw_tokens
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 
 GREEDY_EPS = 1e-5
@@ -113,7 +114,9 @@ class HFBackend:
     With `junior_path` it also holds Tandem's frozen junior and `generate(..., schedule=...)`
     co-writes every sample in lockstep: both models run on every token with their own KV caches,
     the author's logits are sampled by the tandem seeding contract (`draw_tokens`), and
-    `load_weights` replaces the senior only.
+    `load_weights` replaces the senior only. Without a junior, `write_segments` writes one
+    author's segments of samples co-written with a junior on another engine
+    (`rlvr.generation.tandem_separate`).
     """
 
     def __init__(
@@ -149,6 +152,11 @@ class HFBackend:
             check_same_tokenizer(self.model_path, junior_path)
             junior = AutoModelForCausalLM.from_pretrained(junior_path, dtype=_DTYPES[dtype])
             self.junior = junior.to(self.device).eval().requires_grad_(False)
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt + response tokens one sample may hold: the model's max_position_embeddings."""
+        return self.model.config.get_text_config().max_position_embeddings
 
     def generate(
         self,
@@ -195,6 +203,55 @@ class HFBackend:
         turns = _RoundTurns(self, params, schedule)
         return iter_trajectories(turns, trajectories, params, limits, segments=segments)
 
+    def write_segments(
+        self,
+        handoffs: Sequence[Handoff],
+        params: SamplingParams,
+        schedule: WordSwitchSchedule,
+        author: int,
+        stop_token_ids: Collection[int],
+    ) -> list[Handoff]:
+        """Continue each handoff with this engine's model writing as `author` (SENIOR or JUNIOR)
+        until the schedule gives the next token to the other author or the sample ends (a stop
+        id of `stop_token_ids`, the senior's; a stop string; its max_tokens). The context is
+        prefilled from the handoff's ids, and tokens are drawn by its own generator."""
+        if author not in (SENIOR, JUNIOR):
+            raise ValueError(f"author must be SENIOR ({SENIOR}) or JUNIOR ({JUNIOR}), got {author}")
+        written: list[Handoff] = []
+        for start in range(0, len(handoffs), self.max_batch_size):
+            chunk = handoffs[start : start + self.max_batch_size]
+            jobs: list[_Job] = []
+            for h in chunk:
+                tracker = AuthorTracker.resume(
+                    schedule,
+                    h.seed,
+                    params.temperature,
+                    params.top_p,
+                    h.response_ids,
+                    h.generator_state,
+                )
+                if tracker.state.author != author:
+                    raise ValueError(f"sample {h.key}: its next token is not this engine's")
+                hooks = TurnHooks(h.seed, author=tracker)
+                jobs.append((h.prompt_ids + h.response_ids, h.max_tokens, hooks))
+            samples = self._generate_batch(
+                jobs, params, author=author, segments=chunk, stop_token_ids=stop_token_ids
+            )
+            for h, (_, _, hooks), sample in zip(chunk, jobs, samples, strict=True):
+                written.append(
+                    Handoff(
+                        h.key,
+                        h.prompt_ids,
+                        h.seed,
+                        h.max_tokens,
+                        sample.token_ids,
+                        sample.logprobs,
+                        hooks.author.generator.get_state(),
+                        None if sample.finish_reason == HANDOFF else sample.finish_reason,
+                    )
+                )
+        return written
+
     def _check(
         self, params: SamplingParams, schedule: WordSwitchSchedule | None, stop_rules: bool
     ) -> None:
@@ -203,8 +260,19 @@ class HFBackend:
         check_tandem(schedule, self.junior is not None, stop_rules)
 
     @torch.inference_mode()
-    def _generate_batch(self, jobs: list[_Job], params: SamplingParams) -> list[Sample]:
+    def _generate_batch(
+        self,
+        jobs: list[_Job],
+        params: SamplingParams,
+        author: int | None = None,
+        segments: Sequence[Handoff] | None = None,
+        stop_token_ids: Collection[int] | None = None,
+    ) -> list[Sample]:
+        """Sample every job to its end; with `author`, co-written `segments` (their response so
+        far ends each job's prompt) each only until the other author's turn (finish reason
+        HANDOFF), with this engine's model alone."""
         n = len(jobs)
+        stop_ids = self.stop_token_ids if stop_token_ids is None else stop_token_ids
         width = max(len(job[0]) for job in jobs)
         input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((n, width), dtype=torch.long)
@@ -221,9 +289,13 @@ class HFBackend:
         ]
         authors = [hooks.author for _, _, hooks in jobs]
         tandem = authors[0] is not None
-        models = [self.model, self.junior] if tandem else [self.model]
+        lockstep = tandem and author is None
+        models = [self.model, self.junior] if lockstep else [self.model]
         responses: list[list[int]] = [[] for _ in jobs]
         logprobs: list[list[float]] = [[] for _ in jobs]
+        if segments is not None:
+            responses = [list(h.response_ids) for h in segments]
+            logprobs = [list(h.logprobs) for h in segments]
         finish: list[str] = ["length"] * n
         active = list(range(n))
         caches = [DynamicCache(config=model.config) for model in models]
@@ -244,7 +316,7 @@ class HFBackend:
                 for model, cache in zip(models, caches, strict=True)
             ]
             logits = all_logits[0]
-            if tandem:
+            if lockstep:
                 for row, job in enumerate(active):
                     if authors[job].observe(responses[job]) == JUNIOR:
                         logits[row] = all_logits[1][row]
@@ -268,10 +340,13 @@ class HFBackend:
             ):
                 responses[job].append(token)
                 logprobs[job].append(logprob)
-                if token in self.stop_token_ids or self._ends_in_stop(responses[job], params.stop):
+                if token in stop_ids or self._ends_in_stop(responses[job], params.stop):
                     finish[job] = "stop"
                 elif len(responses[job]) < jobs[job][1]:
-                    keep.append(row)
+                    if author is None or authors[job].observe(responses[job]) == author:
+                        keep.append(row)
+                    else:
+                        finish[job] = HANDOFF
             if len(keep) < len(active):
                 if not keep:
                     break
@@ -396,9 +471,8 @@ class _RoundTurns:
         self.backend = backend
         self.params = params
         self.schedule = schedule
-        config = backend.model.config.get_text_config()
-        self.context_limit: int = config.max_position_embeddings
-        self.vocab_size: int = config.vocab_size
+        self.context_limit: int = backend.context_limit
+        self.vocab_size: int = backend.model.config.get_text_config().vocab_size
         self._submitted: list[tuple[int, _Job]] = []
 
     def submit(self, key: int, request: TurnRequest) -> None:

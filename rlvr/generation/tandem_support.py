@@ -47,6 +47,25 @@ class AuthorTracker:
         """Log-prob of each drawn token under its author's processed distribution, kept by an
         engine whose own sampler leaves the draws to `draw_tokens` (vLLM on CPU)."""
 
+    @classmethod
+    def resume(
+        cls,
+        schedule: WordSwitchSchedule,
+        seed: int,
+        temperature: float,
+        top_p: float,
+        response_ids: Sequence[int],
+        generator_state: torch.Tensor | None,
+    ) -> AuthorTracker:
+        """The tracker of a sample whose `response_ids` another engine wrote: its author state
+        replayed from the ids, its token generator set to `generator_state` (the state after the
+        last draw; None: no draw yet, the freshly seeded generator)."""
+        tracker = cls(schedule, seed, temperature, top_p)
+        tracker.observe(response_ids)
+        if generator_state is not None:
+            tracker.generator.set_state(generator_state)
+        return tracker
+
     def observe(self, response_ids: Sequence[int], length: int | None = None) -> int:
         """Feed the tokens of `response_ids[:length]` not seen yet; return the next token's author."""
         length = len(response_ids) if length is None else length

@@ -165,6 +165,15 @@ class Method:
         """Extra GeneratorActor arguments the method needs (e.g. Tandem's junior)."""
         return {}
 
+    def companion_engine(self) -> bool:
+        """Whether each generation engine gets an engine of its own beside it (Tandem's
+        separate junior), placed like the engines and handed to it as `companion`."""
+        return False
+
+    def companion_settings(self, model_dir: Path) -> dict[str, Any]:
+        """GeneratorActor arguments of a companion engine that replace the engines' own."""
+        return {}
+
     # --- one step ---------------------------------------------------------------------------
     def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
         """Keyword arguments of `StepServices.generate` for the step's training rollouts."""

@@ -9,6 +9,9 @@ Three layouts, from `resources` (`rlvr.config.ResourcesConfig`):
 - `colocate`: one bundle per pair, policy rank i and engine i, which then share its node and, on
   GPUs, its one device (the engine sleeps while the rank trains).
 
+An engine's companion (Tandem's separate junior: `Method.companion_engine`) gets a bundle like an
+engine's, in the engines' group, after them.
+
 Pure data, so the check of a config against a cluster (`check_cluster`) and the actor start agree on
 one plan.
 """
@@ -39,6 +42,8 @@ class PlacementPlan:
     """Per policy rank, (group index, bundle index)."""
     generator: tuple[tuple[int, int], ...]
     """Per engine, (group index, bundle index)."""
+    companion: tuple[tuple[int, int], ...] = ()
+    """Per engine's companion, if the engines have them, (group index, bundle index)."""
 
 
 def merge_bundles(a: Bundle, b: Bundle) -> Bundle:
@@ -49,10 +54,20 @@ def merge_bundles(a: Bundle, b: Bundle) -> Bundle:
     return out
 
 
-def plan_placement(r: ResourcesConfig) -> PlacementPlan:
-    """The groups and bundle assignment of `r`'s layout (see the module docstring)."""
+def companions(cfg: Config) -> int:
+    """Companion engines the run starts: one per generation engine when its method asks."""
+    from rlvr.methods.base import build_method  # the methods import the config this reads
+
+    return cfg.resources.generator_engines if build_method(cfg).companion_engine() else 0
+
+
+def plan_placement(r: ResourcesConfig, companion_engines: int = 0) -> PlacementPlan:
+    """The groups and bundle assignment of `r`'s layout (see the module docstring), with
+    `companion_engines` (0, or one per engine) placed beside the engines."""
     ranks, engines = r.policy_ranks, r.generator_engines
     policy, generator = r.policy_bundle(), r.generator_bundle()
+    if companion_engines and r.colocate:
+        raise ConfigError("invalid config: resources.colocate: companion engines have no rank")
     if r.colocate:
         pair = merge_bundles(policy, generator)
         group = GroupPlan("colocated", r.placement_strategy, (pair,) * ranks)
@@ -61,21 +76,29 @@ def plan_placement(r: ResourcesConfig) -> PlacementPlan:
         )
     if r.policy_strategy is None and r.generator_strategy is None:
         group = GroupPlan(
-            "models", r.placement_strategy, (policy,) * ranks + (generator,) * engines
+            "models",
+            r.placement_strategy,
+            (policy,) * ranks + (generator,) * (engines + companion_engines),
         )
         return PlacementPlan(
             (group,),
             tuple((0, i) for i in range(ranks)),
             tuple((0, ranks + i) for i in range(engines)),
+            tuple((0, ranks + engines + i) for i in range(companion_engines)),
         )
     groups = (
         GroupPlan("policy", r.policy_strategy or r.placement_strategy, (policy,) * ranks),
         GroupPlan(
-            "generator", r.generator_strategy or r.placement_strategy, (generator,) * engines
+            "generator",
+            r.generator_strategy or r.placement_strategy,
+            (generator,) * (engines + companion_engines),
         ),
     )
     return PlacementPlan(
-        groups, tuple((0, i) for i in range(ranks)), tuple((1, i) for i in range(engines))
+        groups,
+        tuple((0, i) for i in range(ranks)),
+        tuple((1, i) for i in range(engines)),
+        tuple((1, engines + i) for i in range(companion_engines)),
     )
 
 
@@ -96,18 +119,21 @@ def check_cluster(
         "verifier_cpus or num_verifiers",
         "GPU": "resources.policy_ranks / policy_gpus / generator_engines / generator_gpus",
     }
-    for resource, need in r.demand().items():
+    extra = companions(cfg)
+    for resource, need in r.demand(companion_engines=extra).items():
         have = sum(node.get(resource, 0.0) for node in nodes)
         if need > have + 1e-9:
             what = "CPUs" if resource == "CPU" else "GPUs" if resource == "GPU" else resource
             lower = keys.get(resource, "resources.policy_resources / generator_resources")
+            juniors = f" (with {extra} junior engine{'s' * (extra > 1)})" if extra else ""
             raise ConfigError(
-                f"invalid config: resources: the actors need {need:g} {what} but "
+                f"invalid config: resources: the actors need {need:g} {what}{juniors} but "
                 f"{have:g} are available; lower {lower}"
+                + (" or use algorithm.tandem.junior: shared" if extra else "")
             )
     if not strict_placement:
         return
-    for group in plan_placement(r).groups:
+    for group in plan_placement(r, extra).groups:
         _check_group(group, nodes)
 
 
@@ -123,9 +149,11 @@ def _check_group(group: GroupPlan, nodes: list[dict[str, float]]) -> None:
         return all(node.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
 
     actors = {
-        "models": "model actors (resources.policy_ranks + generator_engines)",
+        "models": "model actors (resources.policy_ranks + generator_engines, and a junior "
+        "engine per engine with algorithm.tandem.junior: separate)",
         "policy": "policy ranks (resources.policy_ranks)",
-        "generator": "engines (resources.generator_engines)",
+        "generator": "engines (resources.generator_engines, and a junior engine per engine "
+        "with algorithm.tandem.junior: separate)",
         "colocated": "rank + engine pairs (resources.policy_ranks)",
     }[group.role]
     for bundle in group.bundles:

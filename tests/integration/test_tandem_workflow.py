@@ -53,3 +53,31 @@ def test_tandem_steps_through_the_actors(tmp_path, run_cli, tiny_train_args):
         best["step"],
         "eval_tandem_accuracy",
     )
+
+
+def test_a_separate_junior_steps_through_the_actors(tmp_path, run_cli, tiny_train_args):
+    """`algorithm.tandem.junior: separate` on the transformers engine: the junior gets an
+    engine of its own in the run's placement group, and training runs as with the shared one."""
+    separate = [
+        "algorithm.name=tandem",
+        "algorithm.tandem.junior=separate",
+        "generation.backend=hf",
+        "run.steps=2",
+        "resources.torch_threads=1",
+        "resources.generator_cpus=0.5",
+    ]
+    proc = run_cli(tiny_train_args(tmp_path, *separate))
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    run = tmp_path / "full"
+    layout = json.loads((run / "layout.json").read_text())["actors"]
+    assert [layout[name]["bundle"] for name in ("GeneratorActor 0", "JuniorEngine 0")] == [1, 2]
+    metrics = _lines(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        frac = m["tandem/senior_token_frac"]
+        assert 0.3 <= frac <= 0.7
+        assert m["train_tokens"] == round(frac * m["tokens_generated"])
+        assert m["tandem/switches_per_seq"] > 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["best_metric"] == "eval_tandem_accuracy"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
-from rlvr.config import Section
+from rlvr.config import Config, Section
 
 
 class TandemConfig(Section):
@@ -21,3 +23,37 @@ class TandemConfig(Section):
         description="Frozen junior ('tiny', 'tiny-llama', 'smollm2' or an HF directory with the "
         "senior's tokenizer); None = the senior's starting weights (the base model).",
     )
+    junior: Literal["shared", "separate"] = Field(
+        "shared",
+        description="Where the junior runs: 'shared' = inside each senior engine (both models "
+        "run on every token); 'separate' = in an engine of its own beside each senior engine, "
+        "only a token's author runs its forward and a trajectory changes engines by token ids "
+        "(generation.backend: hf only).",
+    )
+
+
+def check_tandem(cfg: Config) -> None:
+    """Refuse the settings `algorithm.tandem.junior: separate` cannot run with (yet), by key."""
+    if cfg.algorithm.tandem.junior != "separate":
+        return
+    why = None
+    if cfg.generation.backend != "hf":
+        why = (
+            f"generation.backend is {cfg.generation.backend!r}; the separate junior's "
+            "segment hand-off runs on the transformers engine only (use generation.backend: hf, "
+            "or algorithm.tandem.junior: shared)"
+        )
+    elif cfg.resources.colocate:
+        why = (
+            "resources.colocate shares each engine's device with a policy rank, and a junior "
+            "engine has no rank to pair with (use resources.colocate: false, or "
+            "algorithm.tandem.junior: shared)"
+        )
+    elif cfg.run.max_staleness:
+        why = (
+            "run.max_staleness above 0 overlaps generation with training, which the hand-off "
+            "between two engines does not support yet (use run.max_staleness: 0, or "
+            "algorithm.tandem.junior: shared)"
+        )
+    if why is not None:
+        raise ValueError(f"algorithm.tandem.junior: separate cannot run here: {why}")

@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from rlvr.config import Config
 from rlvr.generation.base import SamplingParams
 from rlvr.methods.base import Method, StepServices, register
-from rlvr.methods.tandem.config import TandemConfig
+from rlvr.methods.tandem.config import TandemConfig, check_tandem
 from rlvr.methods.tandem.shaping import junior_dir, shape_tandem
 from rlvr.tasks.base import Problem
 from rlvr.training.batch import TrainBatch
@@ -27,11 +28,30 @@ class Tandem(Method):
     single_turn = "the junior co-writes one completion, switching authors at word boundaries"
     best_metric = "eval_tandem_accuracy"
 
-    def generator_settings(self, model_dir: Path) -> dict[str, Any]:
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        check_tandem(cfg)
 
+    def generator_settings(self, model_dir: Path) -> dict[str, Any]:
         t = self.cfg.algorithm.tandem
         return {
-            "tandem": {"junior_path": str(junior_dir(self.cfg, model_dir)), "p": t.p, "cap": t.cap}
+            "tandem": {
+                "junior_path": str(junior_dir(self.cfg, model_dir)),
+                "p": t.p,
+                "cap": t.cap,
+                "junior": t.junior,
+            }
+        }
+
+    def companion_engine(self) -> bool:
+        return self.cfg.algorithm.tandem.junior == "separate"
+
+    def companion_settings(self, model_dir: Path) -> dict[str, Any]:
+        """The junior's own engine: the junior's weights, writing the junior's segments."""
+        t = self.cfg.algorithm.tandem
+        return {
+            "model_path": str(junior_dir(self.cfg, model_dir)),
+            "tandem": {"p": t.p, "cap": t.cap, "role": "junior"},
         }
 
     def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
