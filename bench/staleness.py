@@ -147,8 +147,9 @@ def main() -> None:
             run = train(args.config, mode, seed, args.steps, runs_dir, log)
             results[mode].append({"seed": seed, **summarise(run, mode[0])})
             print(f"seed {seed} k {mode_name(mode)}: {results[mode][-1]}", flush=True)
-    text = f"`{args.config.relative_to(ROOT)}`, {args.steps} steps, seeds {args.seeds}\n\n" + table(
-        results
+    text = (
+        f"`{args.config.resolve().relative_to(ROOT)}`, {args.steps} steps, seeds {args.seeds}\n\n"
+        + table(results)
     )
     print(text)
     write_results(
