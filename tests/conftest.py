@@ -1,5 +1,5 @@
 """Shared fixtures: one Ray cluster per test session, bound to 127.0.0.1, an isolated model cache,
-the tiny model, the TCP addresses a process listens on, and readers of the logger stores."""
+the tiny model (and a junior for Tandem), the TCP addresses a process listens on, and readers of the logger stores."""
 
 from __future__ import annotations
 
@@ -63,6 +63,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rlvr.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def junior_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tandem's junior in tests: a second tiny model, the same tokenizer, weights from another
+    seed."""
+    from rlvr.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("junior") / "tiny1", seed=1)
 
 
 def _proc_address(hex_address: str, family: socket.AddressFamily) -> str:

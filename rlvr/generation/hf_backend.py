@@ -235,7 +235,7 @@ class HFBackend:
                 hooks = TurnHooks(h.seed, author=tracker)
                 jobs.append((h.prompt_ids + h.response_ids, h.max_tokens, hooks))
             samples = self._generate_batch(
-                jobs, params, author=author, segments=chunk, stop_token_ids=stop_token_ids
+                jobs, params, author=author, handoffs=chunk, stop_token_ids=stop_token_ids
             )
             for h, (_, _, hooks), sample in zip(chunk, jobs, samples, strict=True):
                 written.append(
@@ -265,10 +265,10 @@ class HFBackend:
         jobs: list[_Job],
         params: SamplingParams,
         author: int | None = None,
-        segments: Sequence[Handoff] | None = None,
+        handoffs: Sequence[Handoff] | None = None,
         stop_token_ids: Collection[int] | None = None,
     ) -> list[Sample]:
-        """Sample every job to its end; with `author`, co-written `segments` (their response so
+        """Sample every job to its end; with `author`, co-written `handoffs` (their response so
         far ends each job's prompt) each only until the other author's turn (finish reason
         HANDOFF), with this engine's model alone."""
         n = len(jobs)
@@ -293,9 +293,9 @@ class HFBackend:
         models = [self.model, self.junior] if lockstep else [self.model]
         responses: list[list[int]] = [[] for _ in jobs]
         logprobs: list[list[float]] = [[] for _ in jobs]
-        if segments is not None:
-            responses = [list(h.response_ids) for h in segments]
-            logprobs = [list(h.logprobs) for h in segments]
+        if handoffs is not None:
+            responses = [list(h.response_ids) for h in handoffs]
+            logprobs = [list(h.logprobs) for h in handoffs]
         finish: list[str] = ["length"] * n
         active = list(range(n))
         caches = [DynamicCache(config=model.config) for model in models]

@@ -12,18 +12,12 @@ from transformers import AutoModelForCausalLM
 from actors.generator import GeneratorActor
 from rlvr.config import load_config
 from rlvr.generation.base import GenerationRequest, SamplingParams
-from rlvr.models.tiny import build_tiny_model
 from workflows.components import companion_kwargs, generator_kwargs
 from workflows.generator_pool import GeneratorPool
 from workflows.workers import ActorFailure, Worker
 
 LOGPROB_ATOL = 1e-4
 ENGINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-@pytest.fixture(scope="module")
-def junior_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("junior") / "tiny1", seed=1)
 
 
 def _config(junior_dir, form: str):

@@ -31,12 +31,6 @@ JUST = (("junior", 0.0), ("senior", 1.0))
 
 
 @pytest.fixture(scope="module")
-def junior_dir(tmp_path_factory):
-    """A second tiny model: the same tokenizer, weights from another seed."""
-    return build_tiny_model(tmp_path_factory.mktemp("junior") / "tiny1", seed=1)
-
-
-@pytest.fixture(scope="module")
 def hf(tiny_model_dir, junior_dir):
     return make_backend("hf", tiny_model_dir, dtype="float32", junior_path=junior_dir)
 

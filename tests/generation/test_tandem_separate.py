@@ -18,7 +18,6 @@ from rlvr.algorithms.tandem import JUNIOR, SENIOR, WordSwitchSchedule, word_boun
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.generation.tandem_separate import Handoff, cowrite, ready, start_handoffs
-from rlvr.models.tiny import build_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 7]]
 SEEDS = [11, 2024, 7]
@@ -34,12 +33,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def junior_dir(tmp_path_factory):
-    """A second tiny model: the same tokenizer, weights from another seed."""
-    return build_tiny_model(tmp_path_factory.mktemp("junior") / "tiny1", seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -18,20 +18,26 @@ def _lines(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
+def _assert_trains_on_the_senior_s_tokens(metrics: list[dict]) -> None:
+    """Two steps whose authors switch, the senior writing about half (p = 0.5: the code's
+    smoke-test band; 0 or 1 would mean the mask never reached the loss), and whose update saw
+    exactly the senior's tokens."""
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:
+        frac = m["tandem/senior_token_frac"]
+        assert 0.3 <= frac <= 0.7
+        assert m["train_tokens"] == round(frac * m["tokens_generated"])
+        assert m["tandem/switches_per_seq"] > 0
+
+
 def test_tandem_steps_through_the_actors(tmp_path, run_cli, tiny_train_args):
     proc = run_cli(tiny_train_args(tmp_path, *TANDEM))
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-4000:]
     run = tmp_path / "full"
     metrics = _lines(run / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1]
+    _assert_trains_on_the_senior_s_tokens(metrics)
     for m in metrics:
-        frac = m["tandem/senior_token_frac"]
-        # p = 0.5: the code's smoke-test band; 0 or 1 would mean the mask never reached the loss
-        assert 0.3 <= frac <= 0.7
-        # the update saw exactly the senior's tokens
-        assert m["train_tokens"] == round(frac * m["tokens_generated"])
-        assert m["tandem/switches_per_seq"] > 0
         assert m["tandem/mean_run_length"] > 1
         assert 0.0 <= m["tandem/cap_redraw_share"] <= 1.0
     rollouts = _lines(run / "rollouts.jsonl")
@@ -72,12 +78,6 @@ def test_a_separate_junior_steps_through_the_actors(tmp_path, run_cli, tiny_trai
     run = tmp_path / "full"
     layout = json.loads((run / "layout.json").read_text())["actors"]
     assert [layout[name]["bundle"] for name in ("GeneratorActor 0", "JuniorEngine 0")] == [1, 2]
-    metrics = _lines(run / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1]
-    for m in metrics:
-        frac = m["tandem/senior_token_frac"]
-        assert 0.3 <= frac <= 0.7
-        assert m["train_tokens"] == round(frac * m["tokens_generated"])
-        assert m["tandem/switches_per_seq"] > 0
+    _assert_trains_on_the_senior_s_tokens(_lines(run / "metrics.jsonl"))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["best_metric"] == "eval_tandem_accuracy"
