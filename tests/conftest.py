@@ -114,6 +114,32 @@ def listening() -> Callable[[int], list[tuple[str, int]]]:
     return listening_addresses
 
 
+def kill_and_await_death(handle: Any, timeout_s: float = 60.0) -> None:
+    """Kill a Ray actor and return once a call to it fails as on a dead actor. `ray.kill` only
+    asks the GCS to end the process, so a call made at once can still run on the live actor,
+    and a test that means to meet a dead one would race its death."""
+    import time
+
+    import ray
+    from ray.exceptions import RayActorError
+
+    ray.kill(handle, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=timeout_s)
+        except RayActorError:
+            return
+        assert time.monotonic() < deadline, f"{handle} still answers {timeout_s} s after its kill"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def kill_actor() -> Callable[[Any], None]:
+    """`kill_actor(handle)`: kill a Ray actor and wait until calls to it fail."""
+    return kill_and_await_death
+
+
 @pytest.fixture
 def loopback() -> Callable[[str], bool]:
     """`loopback(address)`: whether a listening address is reachable from this node only."""

@@ -272,12 +272,12 @@ def test_ctrl_c_asks_for_a_stop_at_the_next_step_boundary(capsys):
     there before come back after the run."""
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with stopping.stopping_on_signals():
-        stopping.stop_if_asked()  # nothing asked: the run goes on
+        stopping.stop_if_asked(0)  # nothing asked: the run goes on
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)  # a step in progress: the handler runs, and returns
         assert "stopping after the current step (Ctrl-C again" in capsys.readouterr().err
         with pytest.raises(stopping.RunStopped) as info:
-            stopping.stop_if_asked()
+            stopping.stop_if_asked(1)
         assert (info.value.signal_name, info.value.at_boundary, info.value.exit_code) == (
             "SIGINT",
             True,
@@ -288,7 +288,7 @@ def test_ctrl_c_asks_for_a_stop_at_the_next_step_boundary(capsys):
             time.sleep(5)
         assert not info.value.at_boundary
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-    stopping.stop_if_asked()  # a new run starts with nothing asked
+    stopping.stop_if_asked(2)  # a new run starts with nothing asked
     with stopping.stopping_on_signals():
         with pytest.raises(stopping.RunStopped) as info:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -300,6 +300,32 @@ def test_ctrl_c_asks_for_a_stop_at_the_next_step_boundary(capsys):
         )
         # While the actors are stopped, another SIGTERM takes the default way out.
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_requested_stop_waits_for_its_step_and_the_earliest_request_wins():
+    """`request_stop(after_step=k)` lets steps up to k commit and stops at the boundary before
+    k + 1; a plain request, or an earlier step, overrides a later one; a new run starts clean."""
+    with stopping.stopping_on_request():
+        stopping.request_stop(after_step=2)
+        for step in range(3):
+            stopping.stop_if_asked(step)  # steps 0..2 go on
+        with pytest.raises(stopping.RunStopped) as info:
+            stopping.stop_if_asked(3)
+        assert info.value.at_boundary
+    with stopping.stopping_on_request():
+        stopping.stop_if_asked(5)  # the request above ended with its run
+        stopping.request_stop(after_step=4)
+        stopping.request_stop(after_step=1)
+        stopping.request_stop(after_step=3)  # later than the pending one: ignored
+        stopping.stop_if_asked(1)
+        with pytest.raises(stopping.RunStopped):
+            stopping.stop_if_asked(2)
+    with stopping.stopping_on_request():
+        stopping.request_stop(after_step=4)
+        stopping.request_stop()  # now, as a first Ctrl-C
+        stopping.request_stop(after_step=9)  # cannot postpone it
+        with pytest.raises(stopping.RunStopped):
+            stopping.stop_if_asked(0)
 
 
 def test_the_reaper_stops_what_a_killed_driver_started_and_nothing_else(tmp_path):
@@ -403,7 +429,7 @@ def test_sigterm_stops_a_driver_waiting_on_an_actor_at_once(tmp_path):
         try:
             with stopping_on_signals():
                 for step in range(3):
-                    stop_if_asked()
+                    stop_if_asked(step)
                     signum = signal.SIGTERM if step == 1 else 0
                     ray.get(step_actor.run.remote(os.getpid(), signum, 600 * (step == 1)))
                     print(f"committed {{step}}", flush=True)

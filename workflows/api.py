@@ -313,11 +313,12 @@ class TrainingRun:
             raise self._error
         return self._summary
 
-    def stop(self, timeout: float | None = None) -> int | None:
-        """Stop the run after its current step (it commits) and wait for it; returns the last
-        committed step, from which `resume()` continues."""
+    def stop(self, timeout: float | None = None, *, after_step: int | None = None) -> int | None:
+        """Stop the run after its current step (it commits), or once step `after_step` has
+        committed, and wait for it up to `timeout` s (0: ask and return at once); returns the
+        last committed step, from which `resume()` continues."""
         if self._thread.is_alive():
-            request_stop()
+            request_stop(after_step)
         self._thread.join(timeout)
         return self.last_step
 

@@ -18,6 +18,8 @@ _asked: list[str] = []
 """The signal that asked for a stop at the next step boundary (signals are process-wide)."""
 _now: list[str] = []
 """The signal that stopped the run at once."""
+_after: list[int] = []
+"""The step whose commit a `request_stop(after_step=...)` waits for (empty: the current one)."""
 
 
 class RunStopped(KeyboardInterrupt):
@@ -35,9 +37,10 @@ class RunStopped(KeyboardInterrupt):
         """The stopped run's directory, where the caller that raised it knows it."""
 
 
-def stop_if_asked() -> None:
-    """At a step boundary: stop the run here if a Ctrl-C asked for it."""
-    if _asked:
+def stop_if_asked(step: int) -> None:
+    """At the boundary before `step`: stop the run here if a Ctrl-C asked for it, or a
+    `request_stop` whose step has committed."""
+    if _asked and (not _after or step > _after[0]):
         raise RunStopped(_asked[0], at_boundary=True)
 
 
@@ -47,8 +50,7 @@ def stopping_on_signals() -> Iterator[None]:
     after `ray.init`, whose own handlers abort the process on SIGTERM); the previous handlers
     come back after it."""
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    _asked.clear()
-    _now.clear()
+    _clear()
     signal.signal(signal.SIGINT, _on_interrupt)
     signal.signal(signal.SIGTERM, _on_terminate)
     try:
@@ -60,33 +62,43 @@ def stopping_on_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        _asked.clear()
-        _now.clear()
+        _clear()
 
 
-def request_stop() -> None:
-    """Ask the run in progress to stop after its current step, as a first Ctrl-C does."""
-    if not _asked:
-        _asked.append("SIGINT")
+def request_stop(after_step: int | None = None) -> None:
+    """Ask the run in progress to stop after its current step, as a first Ctrl-C does, or once
+    step `after_step` has committed (after its current step, if that is later). The earliest
+    of several requests wins."""
+    if _asked and not _after:
+        return
+    if after_step is None:
+        _after.clear()
+    else:
+        _after[:] = [min([after_step, *_after])]
+    _asked[:] = ["SIGINT"]
 
 
 @contextmanager
 def stopping_on_request() -> Iterator[None]:
     """While the block runs, `request_stop` alone stops the run (after its current step); for a
     run outside the main thread, which signals never reach."""
-    _asked.clear()
-    _now.clear()
+    _clear()
     try:
         yield
     finally:
-        _asked.clear()
-        _now.clear()
+        _clear()
+
+
+def _clear() -> None:
+    _asked.clear()
+    _now.clear()
+    _after.clear()
 
 
 def _on_interrupt(signum: int, frame: object) -> None:
     if _asked:
         _stop_now("SIGINT")
-    _asked.append("SIGINT")
+    request_stop()
     print(
         "\nrlvr: Ctrl-C: stopping after the current step (Ctrl-C again to stop now)",
         file=sys.stderr,

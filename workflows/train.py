@@ -587,7 +587,8 @@ def _train_after(
             disable=not progress,
         )
         for step in bar:
-            stop_if_asked()  # asked during the step before (now committed) or the first evaluation
+            # asked during the step before (now committed) or the first evaluation
+            stop_if_asked(step)
             metrics = trainer.step(step)
             is_last = step == cfg.run.steps - 1
             if is_last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0):

@@ -4,7 +4,6 @@ same losses, gradient norms, DUET sums and weights, the same export, the same sc
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 import ray
@@ -135,14 +134,10 @@ def test_one_rank_ignores_launcher_variables_its_worker_inherited(ray_cluster, t
             _kill([handle])
 
 
-def test_a_failing_rank_is_named(ray_cluster, tiny_model_dir):
+def test_a_failing_rank_is_named(ray_cluster, tiny_model_dir, kill_actor):
     group, handles = _group(tiny_model_dir, 2, 2, "token-mean")
     try:
-        ray.kill(handles[1], no_restart=True)
-        with pytest.raises(ray.exceptions.RayActorError):  # the kill lands asynchronously
-            for _ in range(100):
-                ray.get(handles[1].ready.remote())
-                time.sleep(0.1)
+        kill_actor(handles[1])
         with pytest.raises(ActorFailure, match=r"PolicyActor 1 failed at step 4"):
             group.run("ready", step=4)
     finally:

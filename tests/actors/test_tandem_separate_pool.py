@@ -109,11 +109,11 @@ def test_separate_engines_dispatch_seed_exactly_and_sync_the_senior_only(
 
 
 @pytest.mark.ray
-def test_a_lost_junior_engine_is_a_lost_actor_for_recovery(separate):
+def test_a_lost_junior_engine_is_a_lost_actor_for_recovery(separate, kill_actor):
     """Runs last: it kills a junior. Its senior's call fails as lost, so the run restarts its
     actors (`run.max_failures`) instead of failing as on an error in the call."""
     workers, juniors = separate
-    ray.kill(juniors[0], no_restart=True)
+    kill_actor(juniors[0])
     with pytest.raises(ActorFailure, match="GeneratorActor 0 failed at step 2") as failure:
         params = SamplingParams(max_tokens=4)
         workers[0].run("generate", _requests(), params, tandem=True, step=2)

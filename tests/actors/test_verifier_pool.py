@@ -41,11 +41,11 @@ class KilledByOneInputPool(VerifierPool):
     actor_class = KilledByOneInput
 
 
-def test_pool_scores_in_order_and_reruns_a_dead_actors_items(ray_cluster):
+def test_pool_scores_in_order_and_reruns_a_dead_actors_items(ray_cluster, kill_actor):
     pool = VerifierPool(size=2, timeout_s=3.0)
     try:
         assert pool.score(RESPONSES, GOLDS) == SCORED
-        ray.kill(pool.actors[0], no_restart=True)
+        kill_actor(pool.actors[0])
         # its items (0, 2, 4) run on the live actors, the replacement included: nothing changes
         assert pool.score(RESPONSES, GOLDS) == SCORED
         assert pool.replaced == 1
@@ -104,7 +104,7 @@ POINTS = "tests.verifiers.reward_fns:points"
 SLEEPS = "tests.verifiers.reward_fns:sleeps"
 
 
-def test_a_reward_plugin_reads_prompts_and_metadata_and_its_items_rerun(ray_cluster):
+def test_a_reward_plugin_reads_prompts_and_metadata_and_its_items_rerun(ray_cluster, kill_actor):
     """kind python through the actors: each item's prompt and metadata reach the function; a
     dead actor's items re-run on the live ones; a call past the timeout scores "timeout"."""
     pool = KilledByOneInputPool(size=2, timeout_s=2.0, kind="python", function=POINTS)
@@ -114,7 +114,7 @@ def test_a_reward_plugin_reads_prompts_and_metadata_and_its_items_rerun(ray_clus
     scored = [(i / 4, f"p{i}") for i in range(n)]
     try:
         assert pool.score(["r"] * n, ["g"] * n, prompts, metadata) == scored
-        ray.kill(pool.actors[1], no_restart=True)
+        kill_actor(pool.actors[1])
         assert pool.score(["r"] * n, ["g"] * n, prompts, metadata) == scored
         out = pool.score([KILLER, "r"], ["g", "g"], ["p0", "p1"], metadata[:2])
         assert out == [(0.0, "verifier_failed"), (0.25, "p1")]

@@ -199,9 +199,9 @@ def test_auto_is_collective_for_actors_and_the_object_store_for_in_process_worke
         make_weight_sync(collective, policy, in_process)
 
 
-def test_a_sync_whose_engine_died_names_it(policy, engines):
+def test_a_sync_whose_engine_died_names_it(policy, engines, kill_actor):
     collective = CollectiveSync(policy, engines, torch.float32, BUCKET_BYTES, TIMEOUT_S)
-    ray.kill(engines.workers[1].target, no_restart=True)
+    kill_actor(engines.workers[1].target)
     with pytest.raises(ActorFailure, match="GeneratorActor 1 failed at step 7"):
         ObjectStoreSync(policy, engines).push(step=7)
     with pytest.raises(
