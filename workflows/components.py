@@ -146,19 +146,24 @@ def policy_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
     }
 
 
-def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
+def generator_kwargs(cfg: Config, model_dir: Path, slot: int = 0) -> dict[str, Any]:
+    """An engine's arguments; `slot`: its place among the run's engines and companion engines
+    (engine i is slot i, its companion slot engines + i), which picks the cores a CPU vLLM
+    engine binds its kernels to, a share of its own."""
     g = cfg.generation
     kw: dict[str, Any] = {
         "backend": g.backend,
         "model_path": str(model_dir),
         "dtype": cfg.engine_dtype,
     }
+    threads = torch_threads(cfg, cfg.resources.generator_engines + companions(cfg))
     if g.backend == "vllm":
         kw.update(
             max_model_len=g.max_model_len,
             kv_cache_gib=g.kv_cache_gib,
             seed=cfg.run.seed,
-            cpu_threads=torch_threads(cfg, cfg.resources.generator_engines),
+            cpu_threads=threads,
+            cpu_offset=slot * threads,
             enforce_eager=g.enforce_eager,
             engine_loop=g.engine_loop,
         )
@@ -167,14 +172,14 @@ def generator_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
         if cfg.resources.engines_sleep:  # vLLM's own sleep mode (GPUs)
             kw["enable_sleep_mode"] = True
     kw.update(build_method(cfg).generator_settings(model_dir))
-    kw["threads"] = torch_threads(cfg, cfg.resources.generator_engines + companions(cfg))
+    kw["threads"] = threads
     return kw
 
 
-def companion_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any]:
-    """A companion engine's arguments (`Method.companion_engine`): an engine's, with the
-    method's replacements (Tandem's separate junior: its weights and its role)."""
-    kw = generator_kwargs(cfg, model_dir)
+def companion_kwargs(cfg: Config, model_dir: Path, engine: int = 0) -> dict[str, Any]:
+    """The arguments of engine `engine`'s companion (`Method.companion_engine`): an engine's,
+    with the method's replacements (Tandem's separate junior: its weights and its role)."""
+    kw = generator_kwargs(cfg, model_dir, slot=cfg.resources.generator_engines + engine)
     kw.update(build_method(cfg).companion_settings(model_dir))
     return kw
 
@@ -330,7 +335,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                 r.generator_cpus,
                 r.generator_gpus,
                 {
-                    **companion_kwargs(cfg, model_dir),
+                    **companion_kwargs(cfg, model_dir, i),
                     "mmap_threshold_kib": r.malloc_mmap_threshold_kib,
                 },
             ),
@@ -347,7 +352,7 @@ def start_components(cfg: Config, model_dir: Path, use_actors: bool = True) -> C
                 r.generator_cpus,
                 r.generator_gpus,
                 {
-                    **generator_kwargs(cfg, model_dir),
+                    **generator_kwargs(cfg, model_dir, slot=i),
                     "mmap_threshold_kib": r.malloc_mmap_threshold_kib,
                     "address": addresses[f"GeneratorActor {i}"],
                     "companion": junior_workers[i].target if junior_workers else None,

@@ -37,6 +37,16 @@ class SamplingParams:
     the string (`cut_at_stop`)."""
 
 
+def engine_stop_ids(eos_token_id: int, generation_eos: int | Sequence[int] | None) -> set[int]:
+    """The ids a sample ends on, as vLLM stops: the tokenizer's EOS and every EOS of the model's
+    generation config."""
+    if generation_eos is None:
+        generation_eos = []
+    elif isinstance(generation_eos, int):
+        generation_eos = [generation_eos]
+    return {eos_token_id, *generation_eos}
+
+
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     """`text` up to its earliest stop string (all of it when none occurs)."""
     ends = [i for i in (text.find(s) for s in stop) if i >= 0]

@@ -23,6 +23,7 @@ from rlvr.generation.base import (
     SamplingParams,
     StopRuleFactory,
     cut_at_stop,
+    engine_stop_ids,
     scored_positions,
 )
 from rlvr.generation.engine_loop import (
@@ -137,13 +138,9 @@ class HFBackend:
         self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_token_id: int = self.tokenizer.eos_token_id
-        # vLLM stops on the tokenizer's EOS and on every EOS of the generation config.
-        generation_eos = self.model.generation_config.eos_token_id
-        if generation_eos is None:
-            generation_eos = []
-        elif isinstance(generation_eos, int):
-            generation_eos = [generation_eos]
-        self.stop_token_ids = {self.eos_token_id, *generation_eos}
+        self.stop_token_ids = engine_stop_ids(
+            self.eos_token_id, self.model.generation_config.eos_token_id
+        )
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = self.eos_token_id if pad is None else pad
         self._required_names, self._allowed_names = hf_weight_names(self.model.config)

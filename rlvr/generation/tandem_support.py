@@ -66,10 +66,14 @@ class AuthorTracker:
             tracker.generator.set_state(generator_state)
         return tracker
 
-    def observe(self, response_ids: Sequence[int], length: int | None = None) -> int:
-        """Feed the tokens of `response_ids[:length]` not seen yet; return the next token's author."""
+    def observe(
+        self, response_ids: Sequence[int], length: int | None = None, offset: int = 0
+    ) -> int:
+        """Feed the tokens of `response_ids[:length]` not seen yet; return the next token's author.
+        `offset`: the response tokens before `response_ids[0]` (already seen: a segment of a
+        response another engine began)."""
         length = len(response_ids) if length is None else length
-        for token in response_ids[len(self.authorship) : length]:
+        for token in response_ids[len(self.authorship) - offset : length]:
             self.authorship.append(self.state.observe(token))
         return self.state.author
 

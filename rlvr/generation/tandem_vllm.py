@@ -1,4 +1,5 @@
-"""Tandem co-generation inside one vLLM engine (arXiv:2606.28166, App. A.1.1: the paper's design).
+"""Tandem co-generation on vLLM (arXiv:2606.28166, App. A.1.1): inside one engine, and the
+segments of a junior on an engine of its own.
 
 `TandemForCausalLM` holds the senior and the frozen junior (layer prefix `tandem_junior.`) as
 one vLLM model: every forward runs both on the same tokens, positions and block tables, each
@@ -7,12 +8,17 @@ senior's; the junior's are left for `TandemAuthorLogitsProcessor`, which follows
 author state machine and hands the junior's row to the sampler where the junior writes. One
 engine step therefore emits one token of every request, whichever model writes it: the cost is
 one forward of each model, the floor of two decoders, with no round trips between engines.
+
+With the junior on an engine of its own (`rlvr.generation.tandem_separate`), each engine runs its
+model alone, and `TandemSegmentLogitsProcessor` writes a sample's segment on it: the author's
+tokens, until the other author's turn.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,6 +34,7 @@ from vllm.model_executor.models.utils import init_vllm_registered_model, maybe_p
 from vllm.transformers_utils.config import get_config
 
 from rlvr.algorithms.tandem import JUNIOR
+from rlvr.generation.tandem_separate import HANDOFF
 from rlvr.generation.tandem_support import AuthorTracker, draw_tokens
 from rlvr.generation.vllm_rows import RowTrackingLogitsProcessor, real_token_count
 
@@ -35,6 +42,9 @@ ARCHITECTURE = "RlvrTandemForCausalLM"
 JUNIOR_PREFIX = "tandem_junior"
 AUTHOR_KEY = "rlvr_tandem_author"
 """Key in vLLM's SamplingParams.extra_args naming the sample's tracker in `ACTIVE_AUTHORS`."""
+
+SEGMENT_KEY = "rlvr_tandem_segment"
+"""Key in vLLM's SamplingParams.extra_args naming the request's segment in `ACTIVE_SEGMENTS`."""
 
 # Live trackers of the samples being generated, by key (see vllm_backend._ACTIVE_TRACKERS: vLLM
 # deep-copies SamplingParams, so requests carry a key and the processor looks the object up).
@@ -195,4 +205,76 @@ class TandemAuthorLogitsProcessor(RowTrackingLogitsProcessor):
             index = torch.tensor(rows, device=logits.device)
             logits[index] = float("-inf")
             logits[index, torch.tensor(tokens, device=logits.device)] = 0.0
+        return logits
+
+
+@dataclass
+class SegmentTurn:
+    """One sample's segment on an engine that runs one of the two models: the request's output
+    continues the sample's response after its first `offset` tokens."""
+
+    tracker: AuthorTracker
+    """The sample's author state and token generator, resumed from the response so far."""
+    author: int
+    """The author this engine's model writes as (SENIOR or JUNIOR)."""
+    offset: int
+    end_token: int
+    """A stop id of the request, forced to end it; the backend drops it from the segment."""
+    holds_stop: Callable[[list[int]], bool] | None = None
+    """Whether the whole response (its first `offset` tokens first) holds a stop string; None
+    when the sampling settings have none."""
+    head: tuple[int, ...] = ()
+    """The response's first `offset` tokens, where stop strings are checked."""
+    ended: str | None = None
+    """HANDOFF or 'stop' (a stop string) once `end_token` was forced; None while it writes."""
+
+    def writes_next(self, output_ids: list[int], n: int) -> bool:
+        """Show the tracker the request's first `n` output ids; whether this engine draws the
+        next token (else the segment ends: `ended` says why)."""
+        author = self.tracker.observe(output_ids, n, self.offset)
+        if self.ended is None and n and self.holds_stop is not None:
+            self.ended = "stop" if self.holds_stop([*self.head, *output_ids[:n]]) else None
+        if self.ended is None and author != self.author:
+            self.ended = HANDOFF
+        return self.ended is None
+
+
+ACTIVE_SEGMENTS: dict[str, SegmentTurn] = {}
+
+
+class TandemSegmentLogitsProcessor(RowTrackingLogitsProcessor):
+    """V1 batch logits processor writing co-written segments on a one-model engine.
+
+    Right before sampling, each tracked row's tracker sees the tokens emitted since the last
+    step. Where the next token is this engine's author's, the token drawn by the sample's own
+    generator (`draw_tokens`, the seeding contract on every device) is the only finite logit, as
+    the shared engine's processor does on CPU; where the schedule hands over, or the response now
+    holds a stop string, the segment's end token is forced instead and nothing is drawn, so the
+    generator travels to the next engine in the state the shared engine would hold.
+    """
+
+    extra_arg: ClassVar[str] = SEGMENT_KEY
+    registry: ClassVar[dict[str, Any]] = ACTIVE_SEGMENTS
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [num_rows, vocab], this engine's model's; returns them with one token left
+        finite in every tracked row."""
+        if not self._rows:
+            return logits
+        drawing: list[int] = []
+        ending: list[int] = []
+        for row, (segment, output_ids) in self._rows.items():
+            writes = segment.writes_next(output_ids, real_token_count(output_ids))
+            (drawing if writes else ending).append(row)
+        forced = {row: self._rows[row][0].end_token for row in ending}
+        if drawing:
+            trackers = [self._rows[row][0].tracker for row in drawing]
+            tokens, logprobs = draw_tokens(logits[drawing], trackers)
+            for tracker, logprob in zip(trackers, logprobs, strict=True):
+                tracker.logprobs.append(logprob)
+            forced.update(zip(drawing, tokens, strict=True))
+        rows = list(forced)
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = float("-inf")
+        logits[index, torch.tensor([forced[r] for r in rows], device=logits.device)] = 0.0
         return logits

@@ -32,7 +32,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from rlvr.algorithms.tandem import WordSwitchSchedule
+from rlvr.algorithms.tandem import JUNIOR, SENIOR, WordSwitchSchedule
 from rlvr.generation import tandem_vllm
 from rlvr.generation.base import (
     EngineLoop,
@@ -42,6 +42,7 @@ from rlvr.generation.base import (
     SamplingParams,
     StopRuleFactory,
     cut_at_stop,
+    engine_stop_ids,
     sample_seed,
     scored_positions,
 )
@@ -59,7 +60,8 @@ from rlvr.generation.engine_loop import (
 from rlvr.generation.hf_backend import checked_weights, hf_weight_names
 from rlvr.generation.segments import Segments
 from rlvr.generation.stop_rules import StopRuleTracker
-from rlvr.generation.tandem_support import check_same_tokenizer
+from rlvr.generation.tandem_separate import HANDOFF, Handoff
+from rlvr.generation.tandem_support import AuthorTracker, check_same_tokenizer
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 from rlvr.generation.vllm_rows import RowTrackingLogitsProcessor, real_token_count
 
@@ -93,6 +95,14 @@ class ForcedEOSLogitsProcessor(RowTrackingLogitsProcessor):
             logits[row_index] = float("-inf")
             logits[row_index, torch.tensor(eos_ids, device=logits.device)] = 0.0
         return logits
+
+
+def engine_cores(available: Collection[int], threads: int | None, offset: int) -> list[int]:
+    """The cores a CPU engine binds its kernels to: `threads` of the `available` ones (all when
+    None), in order from the `offset`-th on, wrapping around (offsets count modulo the cores)."""
+    cores = sorted(available)
+    start = offset % len(cores)
+    return (cores[start:] + cores[:start])[: threads or None]
 
 
 def _kv_cache_storages(worker: Any) -> list[torch.UntypedStorage]:
@@ -198,24 +208,18 @@ class _RequestTurns:
         self.schedule = schedule
         llm = backend.llm
         self.engine = llm.llm_engine
-        self.renderer = llm.renderer
-        self.model_config = llm.model_config
-        self.context_limit: int = self.model_config.max_model_len
-        self.vocab_size: int = self.model_config.get_vocab_size()
+        self.context_limit: int = backend.context_limit
+        self.vocab_size: int = llm.model_config.get_vocab_size()
         self._live: dict[str, tuple[int, _RequestHooks]] = {}
         """vLLM request id -> (the loop's key, the request's hooks)."""
 
     def submit(self, key: int, request: TurnRequest) -> None:
         hooks = _RequestHooks(request, self.backend.eos_token_id, self.params, self.schedule)
-        prompt = parse_model_prompt(
-            self.model_config, TokensPrompt(prompt_token_ids=request.prompt_ids)
-        )
-        request_id = f"rlvr-{next(_REQUEST_IDS)}"
         try:
-            # rendered as vllm.LLM.generate renders a prompt: the same request reaches the core
-            (engine_input,) = self.renderer.render_cmpl([prompt])
-            self.engine.add_request(
-                request_id, engine_input, hooks.sampling_params(self.params, request.max_tokens)
+            request_id = _add_request(
+                self.backend.llm,
+                request.prompt_ids,
+                hooks.sampling_params(self.params, request.max_tokens),
             )
         except BaseException:
             hooks.release()
@@ -249,6 +253,45 @@ class _RequestTurns:
 
 _REQUEST_IDS = itertools.count()
 """Request ids of this process's engine loops (vLLM appends a random suffix of its own)."""
+
+
+def _add_request(llm: LLM, prompt_ids: list[int], sampling: VLLMSamplingParams) -> str:
+    """Add one request to `llm`'s engine, rendered as `vllm.LLM.generate` renders a prompt (the
+    same request reaches the core); returns its id."""
+    model_config = llm.model_config
+    prompt = parse_model_prompt(model_config, TokensPrompt(prompt_token_ids=prompt_ids))
+    request_id = f"rlvr-{next(_REQUEST_IDS)}"
+    (engine_input,) = llm.renderer.render_cmpl([prompt])
+    llm.llm_engine.add_request(request_id, engine_input, sampling)
+    return request_id
+
+
+def _written_segment(h: Handoff, segment: tandem_vllm.SegmentTurn, completion: Any) -> Handoff:
+    """The handoff after its segment: the drawn tokens (without the forced end token) and their
+    log-probs appended, the generator's state, and how the sample ended (None: it goes on)."""
+    tokens = list(completion.token_ids)
+    if segment.ended is not None:
+        tokens = tokens[:-1]
+        finish = None if segment.ended == HANDOFF else "stop"
+    elif completion.finish_reason == "length" and segment.holds_stop is not None:
+        # the last token completed a stop string: no step was left to see it
+        finish = "stop" if segment.holds_stop([*segment.head, *tokens]) else "length"
+    else:
+        finish = completion.finish_reason
+    if len(tokens) != len(segment.tracker.logprobs):
+        raise RuntimeError(
+            f"sample {h.key}: {len(tokens)} tokens written, {len(segment.tracker.logprobs)} drawn"
+        )
+    return Handoff(
+        h.key,
+        h.prompt_ids,
+        h.seed,
+        h.max_tokens,
+        h.response_ids + tokens,
+        h.logprobs + segment.tracker.logprobs,
+        segment.tracker.generator.get_state(),
+        finish,
+    )
 
 
 class VLLMBackend:
@@ -298,6 +341,7 @@ class VLLMBackend:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         cpu_threads: int | None = None,
+        cpu_offset: int = 0,
         junior_path: str | Path | None = None,
         engine_loop: EngineLoop = "requests",
         **engine_kwargs: Any,
@@ -307,7 +351,8 @@ class VLLMBackend:
         kv_cache_gib fixes the KV cache size (vLLM's kv_cache_memory_bytes, which is what
         VLLM_CPU_KVCACHE_SPACE sets on CPU); None lets vLLM size it (gpu_memory_utilization on
         GPUs). cpu_threads caps the cores vLLM's CPU kernels bind to (default: all of this
-        process's cores). junior_path adds Tandem's frozen junior (its tokenizer must equal the
+        process's cores), from the `cpu_offset`-th on (engines of one node take disjoint shares;
+        counted modulo the cores, wrapping around). junior_path adds Tandem's frozen junior (its tokenizer must equal the
         senior's). engine_loop: how `generate` drives the engine (`base.EngineLoop`).
         engine_kwargs go to `vllm.LLM` unchanged (e.g. tensor_parallel_size, max_num_seqs).
         """
@@ -335,7 +380,7 @@ class VLLMBackend:
             # vLLM's automatic binding keeps one core free for a separate scheduler process and
             # needs a NUMA node per TP worker; the engine core runs in this process, so bind the
             # compute threads to all given cores, split in one contiguous share per worker.
-            cores = sorted(os.sched_getaffinity(0))[: cpu_threads or None]
+            cores = engine_cores(os.sched_getaffinity(0), cpu_threads, cpu_offset)
             if len(cores) < tp:
                 raise ValueError(f"tensor_parallel_size={tp} needs a core per worker: {cores}")
             shares = [cores[len(cores) * i // tp : len(cores) * (i + 1) // tp] for i in range(tp)]
@@ -351,7 +396,10 @@ class VLLMBackend:
             # use offset"), so seeded sampling crashes once prompts are chunked. Whole prompts only.
             engine_kwargs.setdefault("enable_chunked_prefill", False)
         self.junior_path = None if junior_path is None else Path(junior_path)
-        logits_processors: list[type[LogitsProcessor]] = [ForcedEOSLogitsProcessor]
+        logits_processors: list[type[LogitsProcessor]] = [
+            ForcedEOSLogitsProcessor,
+            tandem_vllm.TandemSegmentLogitsProcessor,
+        ]
         if self.junior_path is not None:
             check_same_tokenizer(self.model_path, self.junior_path)
             engine_kwargs["hf_overrides"] = tandem_vllm.engine_overrides(
@@ -381,6 +429,8 @@ class VLLMBackend:
         VLLMBackend._open_engines += 1
         self.tokenizer = self._llm.get_tokenizer()
         self.eos_token_id: int = self.tokenizer.eos_token_id
+        generation = self._llm.model_config.try_get_generation_config()
+        self.stop_token_ids = engine_stop_ids(self.eos_token_id, generation.get("eos_token_id"))
         self._required_names, self._allowed_names = hf_weight_names(
             AutoConfig.from_pretrained(self.model_path)
         )
@@ -391,6 +441,11 @@ class VLLMBackend:
         if self._llm is None:
             raise RuntimeError("VLLMBackend is closed")
         return self._llm
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt + response tokens one sample may hold: the engine's max_model_len."""
+        return self.llm.model_config.max_model_len
 
     def generate(
         self,
@@ -491,6 +546,78 @@ class VLLMBackend:
             )
             for request in requests
         ]
+
+    def write_segments(
+        self,
+        handoffs: Sequence[Handoff],
+        params: SamplingParams,
+        schedule: WordSwitchSchedule,
+        author: int,
+        stop_token_ids: Collection[int],
+    ) -> list[Handoff]:
+        """Continue each handoff with this engine's model writing as `author`, as
+        `HFBackend.write_segments` does: until the other author's turn or the sample's end (a
+        stop id of `stop_token_ids`, the senior's; a stop string; its max_tokens).
+
+        Each segment is a request whose prompt is the sample's ids so far, so the prefix cache
+        holds what this engine computed of them in its earlier segments and the prefill runs on
+        the other engine's tokens. `tandem_vllm.TandemSegmentLogitsProcessor` draws its tokens
+        and ends it, with a token dropped here, where the other author takes over.
+        """
+        if author not in (SENIOR, JUNIOR):
+            raise ValueError(f"author must be SENIOR ({SENIOR}) or JUNIOR ({JUNIOR}), got {author}")
+        llm = self.llm
+        live: dict[str, tuple[Handoff, tandem_vllm.SegmentTurn, str]] = {}
+        written: dict[int, Handoff] = {}
+
+        def holds_stop(ids: list[int]) -> bool:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            return any(stop in text for stop in params.stop)
+
+        try:
+            for h in handoffs:
+                tracker = AuthorTracker.resume(
+                    schedule,
+                    h.seed,
+                    params.temperature,
+                    params.top_p,
+                    h.response_ids,
+                    h.generator_state,
+                )
+                if tracker.state.author != author:
+                    raise ValueError(f"sample {h.key}: its next token is not this engine's")
+                segment = tandem_vllm.SegmentTurn(
+                    tracker,
+                    author,
+                    len(h.response_ids),
+                    self.eos_token_id,
+                    holds_stop if params.stop else None,
+                    tuple(h.response_ids),
+                )
+                key = uuid.uuid4().hex
+                tandem_vllm.ACTIVE_SEGMENTS[key] = segment
+                # The processor forces every token, so vLLM's own sampler only takes the argmax.
+                sampling = VLLMSamplingParams(
+                    temperature=0.0,
+                    max_tokens=h.max_tokens - len(h.response_ids),
+                    stop_token_ids=sorted(stop_token_ids),
+                    detokenize=False,
+                    extra_args={tandem_vllm.SEGMENT_KEY: key},
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                )
+                live[_add_request(llm, h.prompt_ids + h.response_ids, sampling)] = (h, segment, key)
+            while live:
+                for output in llm.llm_engine.step():
+                    if output.finished:
+                        h, segment, key = live.pop(output.request_id)
+                        tandem_vllm.ACTIVE_SEGMENTS.pop(key, None)
+                        written[h.key] = _written_segment(h, segment, output.outputs[0])
+        finally:
+            if live:
+                llm.llm_engine.abort_request(list(live))
+            for _, _, key in live.values():
+                tandem_vllm.ACTIVE_SEGMENTS.pop(key, None)
+        return [written[h.key] for h in handoffs]
 
     def _sample(self, completion: Any, hooks: TurnHooks, params: SamplingParams) -> Sample:
         """A finished vLLM completion (`CompletionOutput`) as a `Sample`."""

@@ -35,8 +35,9 @@ from rlvr.generation.trajectories import (
     TrajectoryResult,
     turn_seed,
 )
+from rlvr.generation.vllm_backend import engine_cores
 from rlvr.models.tiny import build_tiny_model
-from workflows.components import generator_kwargs, sleep_level
+from workflows.components import companion_kwargs, generator_kwargs, sleep_level
 from workflows.generator_pool import GeneratorPool, contiguous_shards
 from workflows.workers import ActorFailure, Worker
 
@@ -307,3 +308,25 @@ def test_generation_dtype_sets_the_engines_and_the_sync_wire():
         load_config(None, ["generation.dtype=bfloat16", "training.engine_is=off"])
     with pytest.raises(ConfigError, match="generation.dtype"):
         load_config(None, ["generation.dtype=float16"])
+
+
+def test_cpu_engines_of_a_node_bind_disjoint_cores():
+    """Engine i binds the i-th share of the cores, its companion the (engines + i)-th: two
+    engines and their juniors on four cores take one core each, none shared."""
+    cfg = load_config(
+        None,
+        [
+            "algorithm.name=tandem",
+            "algorithm.tandem.junior=separate",
+            "resources.generator_engines=2",
+            "resources.torch_threads=1",
+        ],
+    )
+    engines = [generator_kwargs(cfg, Path("m"), slot=i) for i in range(2)]
+    juniors = [companion_kwargs(cfg, Path("m"), i) for i in range(2)]
+    shares = [
+        engine_cores(range(4), kw["cpu_threads"], kw["cpu_offset"]) for kw in engines + juniors
+    ]
+    assert shares == [[0], [1], [2], [3]]
+    assert engine_cores([4, 5, 6], 2, 2) == [6, 4]  # wraps around
+    assert engine_cores([4, 5, 6], None, 4) == [5, 6, 4]  # all cores, from the offset modulo 3

@@ -23,6 +23,12 @@ PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 7]]
 SEEDS = [11, 2024, 7]
 MAX_TOKENS = 24
 LOGPROB_ATOL = 1e-4
+VLLM_ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "enforce_eager": True,
+    "kv_cache_gib": 0.25,
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,6 +54,22 @@ def senior(tiny_model_dir):
 @pytest.fixture(scope="module")
 def junior(junior_dir):
     return make_backend("hf", junior_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(tiny_model_dir, junior_dir):
+    """Senior and junior each on a vLLM engine of its own."""
+    senior = make_backend("vllm", tiny_model_dir, **VLLM_ENGINE)
+    junior = make_backend("vllm", junior_dir, **VLLM_ENGINE)
+    yield senior, junior
+    junior.close()
+    senior.close()
+
+
+@pytest.fixture(params=["hf", "vllm"])
+def pair(request, senior, junior):
+    """(senior, junior) engines of one kind."""
+    return (senior, junior) if request.param == "hf" else request.getfixturevalue("vllm_pair")
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +130,11 @@ def _assert_same(got, want) -> None:
     ids=["greedy", "sampled", "top-p+stop"],
 )
 def test_separate_engines_write_what_the_shared_engine_writes(
-    shared, senior, junior, schedule, temperature, top_p, stop
+    shared, pair, schedule, temperature, top_p, stop
 ):
     params = SamplingParams(temperature, top_p, max_tokens=MAX_TOKENS, stop=stop)
     want = shared.generate(_requests(), params, schedule=schedule)
-    got, rounds = _separate(senior, junior, _requests(), params, schedule)
+    got, rounds = _separate(*pair, _requests(), params, schedule)
     _assert_same(got, want)
     authors = [a for r in got for s in r.samples for a in s.authorship]
     # Not a vacuous match: both models wrote, samples changed hands between rounds.
@@ -120,7 +142,8 @@ def test_separate_engines_write_what_the_shared_engine_writes(
     assert {a for a, count in rounds if count} == {SENIOR, JUNIOR} and len(rounds) > 4
 
 
-def test_a_segment_ends_where_the_schedule_hands_over(senior, junior, schedule):
+def test_a_segment_ends_where_the_schedule_hands_over(pair, schedule):
+    senior, junior = pair
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)
     handoffs = start_handoffs(_requests(1), params, senior.context_limit)
     for h in handoffs:
@@ -137,10 +160,10 @@ def test_a_segment_ends_where_the_schedule_hands_over(senior, junior, schedule):
             engine.write_segments([h], params, schedule, 1 - author, senior.stop_token_ids)
 
 
-def test_the_length_limit_ends_a_sample_on_either_engine(shared, senior, junior, schedule):
+def test_the_length_limit_ends_a_sample_on_either_engine(shared, pair, schedule):
     params = SamplingParams(temperature=1.0, max_tokens=3)
     want = shared.generate(_requests(3), params, schedule=schedule)
-    got, _ = _separate(senior, junior, _requests(3), params, schedule)
+    got, _ = _separate(*pair, _requests(3), params, schedule)
     _assert_same(got, want)
     assert {s.finish_reason for r in got for s in r.samples} == {"length"}
 
@@ -157,21 +180,26 @@ def test_one_sided_schedules_never_hand_over(senior, junior, schedule):
             assert all(s.authorship == [author] * len(s.token_ids) for s in g.samples)
 
 
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
 def test_a_generator_actor_with_a_companion_junior_writes_the_shared_rollouts(
-    tiny_model_dir, junior_dir
+    tiny_model_dir, junior_dir, backend
 ):
+    """The companion and the separate senior run on `backend`; the reference is the shared
+    transformers engine (vLLM's shared engine writes its tokens, tests/generation/
+    test_tandem_generation.py)."""
     tandem = {"junior_path": str(junior_dir), "p": 0.5, "cap": 4}
+    engine = {"dtype": "float32"} if backend == "hf" else VLLM_ENGINE
     shared = GeneratorActor("hf", str(tiny_model_dir), threads=1, tandem=tandem, dtype="float32")
     companion = GeneratorActor(
-        "hf", str(junior_dir), threads=1, tandem={"p": 0.5, "cap": 4, "role": "junior"}
+        backend, str(junior_dir), threads=1, tandem={"p": 0.5, "cap": 4, "role": "junior"}, **engine
     )
     separate = GeneratorActor(
-        "hf",
+        backend,
         str(tiny_model_dir),
         threads=1,
         tandem={**tandem, "junior": "separate"},
         companion=companion,
-        dtype="float32",
+        **engine,
     )
     params = SamplingParams(temperature=1.0, max_tokens=16)
     _assert_same(
@@ -191,3 +219,5 @@ def test_a_generator_actor_with_a_companion_junior_writes_the_shared_rollouts(
         GeneratorActor(
             "hf", str(tiny_model_dir), threads=1, tandem={**tandem, "junior": "separate"}
         )
+    for actor in (separate, companion):
+        actor.backend.close()

@@ -109,13 +109,13 @@ def pick_free_ports() -> Callable[[int], list[int]]:
     return free_ports
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_cli():
     """Start `rlvr ARGS` as a subprocess: `run_cli(args) -> Popen`."""
     return cli
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_train_args():
     """`tiny_train_args(output_dir, *overrides)`: argv of a small tiny-preset `rlvr train`."""
     return train_args

@@ -1,17 +1,33 @@
 """Tandem end to end on the tiny model through the actors: the GeneratorActor co-writes every
 rollout with the frozen junior inside its vLLM engine, the driver logs the schedule metrics, and
 the PolicyActor trains on the senior's tokens only; held-out evaluation co-writes too, and the best
-checkpoint is the one with the best tandem accuracy."""
+checkpoint is the one with the best tandem accuracy. With the junior on a vLLM engine of its own,
+the run writes the same rollouts, even when one of its engines is lost mid-run."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 TANDEM = [
     "algorithm.name=tandem",
     "run.steps=2",
     "run.eval_every=1",
+    # room in the placement group for a junior engine beside the engine, on two cores
+    "resources.generator_cpus=0.5",
 ]
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory, run_cli, tiny_train_args) -> Path:
+    """A finished 2-step Tandem run whose junior shares the senior's engine."""
+    out = tmp_path_factory.mktemp("tandem-shared")
+    proc = run_cli(tiny_train_args(out, *TANDEM))
+    log, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, log[-4000:]
+    return out / "full"
 
 
 def _lines(path) -> list[dict]:
@@ -30,11 +46,8 @@ def _assert_trains_on_the_senior_s_tokens(metrics: list[dict]) -> None:
         assert m["tandem/switches_per_seq"] > 0
 
 
-def test_tandem_steps_through_the_actors(tmp_path, run_cli, tiny_train_args):
-    proc = run_cli(tiny_train_args(tmp_path, *TANDEM))
-    log, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, log[-4000:]
-    run = tmp_path / "full"
+def test_tandem_steps_through_the_actors(shared_run):
+    run = shared_run
     metrics = _lines(run / "metrics.jsonl")
     _assert_trains_on_the_senior_s_tokens(metrics)
     for m in metrics:
@@ -61,23 +74,38 @@ def test_tandem_steps_through_the_actors(tmp_path, run_cli, tiny_train_args):
     )
 
 
-def test_a_separate_junior_steps_through_the_actors(tmp_path, run_cli, tiny_train_args):
-    """`algorithm.tandem.junior: separate` on the transformers engine: the junior gets an
-    engine of its own in the run's placement group, and training runs as with the shared one."""
-    separate = [
-        "algorithm.name=tandem",
-        "algorithm.tandem.junior=separate",
-        "generation.backend=hf",
-        "run.steps=2",
-        "resources.torch_threads=1",
-        "resources.generator_cpus=0.5",
-    ]
-    proc = run_cli(tiny_train_args(tmp_path, *separate))
+def test_a_separate_junior_writes_the_shared_run_and_recovers(
+    shared_run, tmp_path, run_cli, tiny_train_args, run_control
+):
+    """`algorithm.tandem.junior: separate`: the junior gets a vLLM engine of its own in the run's
+    placement group. One of the two engines is SIGKILLed once step 0 commits; the run recovers
+    and writes, token for token, the rollouts and evaluations of the shared engine's run, and the
+    same schedule and loss-mask metrics (engine log-probs may differ in the last float bits:
+    tests/generation/test_tandem_separate.py)."""
+    run = tmp_path / "full"
+    proc = run_cli(tiny_train_args(tmp_path, *TANDEM, "algorithm.tandem.junior=separate"))
+    run_control.wait_for_commit(proc, run / "checkpoints" / "step_000000", poll_s=0.01)
+    run_control.kill_actor(proc, "GeneratorActor")
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-4000:]
-    run = tmp_path / "full"
+    assert log.count("recovering (") == 1, log[-4000:]
     layout = json.loads((run / "layout.json").read_text())["actors"]
     assert [layout[name]["bundle"] for name in ("GeneratorActor 0", "JuniorEngine 0")] == [1, 2]
-    _assert_trains_on_the_senior_s_tokens(_lines(run / "metrics.jsonl"))
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["best_metric"] == "eval_tandem_accuracy"
+    metrics = _lines(run / "metrics.jsonl")
+    _assert_trains_on_the_senior_s_tokens(metrics)
+
+    def written(path: Path) -> list[tuple]:
+        return [
+            (r["step"], r["prompt_id"], r["response"], r["reward"], r["flags"]["tandem"])
+            for r in _lines(path)
+        ]
+
+    assert written(run / "rollouts.jsonl") == written(shared_run / "rollouts.jsonl")
+    exact = ("step", "train_tokens", "tokens_generated", "reward_mean")
+    tandem = [k for k in metrics[0] if k.startswith("tandem/")]
+    for got, want in zip(metrics, _lines(shared_run / "metrics.jsonl"), strict=True):
+        assert {k: got[k] for k in (*exact, *tandem)} == {k: want[k] for k in (*exact, *tandem)}
+    evals = ("step", "eval_accuracy", "eval_tandem_accuracy")
+    assert [{k: e[k] for k in evals} for e in _lines(run / "eval.jsonl")] == [
+        {k: e[k] for k in evals} for e in _lines(shared_run / "eval.jsonl")
+    ]

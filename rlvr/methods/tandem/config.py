@@ -27,8 +27,7 @@ class TandemConfig(Section):
         "shared",
         description="Where the junior runs: 'shared' = inside each senior engine (both models "
         "run on every token); 'separate' = in an engine of its own beside each senior engine, "
-        "only a token's author runs its forward and a trajectory changes engines by token ids "
-        "(generation.backend: hf only).",
+        "only a token's author runs its forward and a trajectory changes engines by token ids.",
     )
 
 
@@ -37,13 +36,7 @@ def check_tandem(cfg: Config) -> None:
     if cfg.algorithm.tandem.junior != "separate":
         return
     why = None
-    if cfg.generation.backend != "hf":
-        why = (
-            f"generation.backend is {cfg.generation.backend!r}; the separate junior's "
-            "segment hand-off runs on the transformers engine only (use generation.backend: hf, "
-            "or algorithm.tandem.junior: shared)"
-        )
-    elif cfg.resources.colocate:
+    if cfg.resources.colocate:
         why = (
             "resources.colocate shares each engine's device with a policy rank, and a junior "
             "engine has no rank to pair with (use resources.colocate: false, or "
