@@ -5,13 +5,14 @@ of the same batch on the same engine kind; with --train, GRPO vs Tandem vs KL-to
         --n 4 --max-tokens 128 --repeats 3 [--oracle]
     .venv/bin/python bench/tandem.py --train --steps 12 --seeds 0 1 2 [--eval-n 8]
     .venv/bin/python bench/tandem.py --train --steps 1 --seeds 0 --eval-n 2 --k 1 2   # smoke run
-    .venv/bin/python bench/tandem.py --forms [--junior PATH] --prompts 8 --n 4 --max-tokens 64
+    .venv/bin/python bench/tandem.py --forms [--backend vllm|hf] [--junior PATH] --prompts 8 \
+        --n 4 --max-tokens 64
 
-Forms mode (`algorithm.tandem.junior`): the transformers engine's rollouts as Ray actors of one
-torch thread each, pinned to cores: `hf solo` (the senior alone), `hf shared` (the junior inside
-the senior's engine, both forwards on every token; also with two threads on both cores) and
-`hf separate` (the junior in its own engine, `rlvr.generation.tandem_separate`) with both engines
-on one core or each on its own. Besides the timings it counts, from the co-written samples'
+Forms mode (`algorithm.tandem.junior`): one engine kind's rollouts (--backend, vLLM by default)
+as Ray actors of one thread each, pinned to cores: `solo` (the senior alone), `shared` (the
+junior inside the senior's engine, both forwards on every token; also with two threads on both
+cores) and `separate` (the junior in its own engine, `rlvr.generation.tandem_separate`) with both
+engines on one core or each on its own. Besides the timings it counts, from the co-written samples'
 authorship, the decode steps on the separate form's critical path (each round costs its longest
 segment) against the shared form's (the longest sample, two forwards a step): the figures a
 two-GPU prediction rests on, where a decode step costs about the same whatever the batch.
@@ -175,7 +176,7 @@ def forms_variants(args: argparse.Namespace) -> tuple[dict[str, Run], Callable[[
 
     from rlvr.config import load_config
 
-    start_cluster(load_config(None, ["generation.backend=hf"]), Path(args.out))
+    start_cluster(load_config(None, [f"generation.backend={args.backend}"]), Path(args.out))
     senior = str(resolve_model_path(args.model))
     junior = str(resolve_model_path(args.junior) if args.junior else senior)
     prompts = make_prompts(Path(senior), args.prompts)
@@ -185,14 +186,21 @@ def forms_variants(args: argparse.Namespace) -> tuple[dict[str, Run], Callable[[
     ]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     tandem = {"junior_path": junior, "p": args.p, "cap": args.cap}
-    common = {"backend": "hf", "dtype": args.dtype, "threads": 1}
+    common: dict = {"backend": args.backend, "dtype": args.dtype}
+    if args.backend == "vllm":
+        common |= {
+            "max_model_len": max(len(p) for p in prompts) + args.max_tokens + 1,
+            "kv_cache_gib": 0.5,
+            "enforce_eager": not args.compile,
+        }
 
     def actor(cores: list[int], threads: int = 1, **kwargs):
         env = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+        engine_threads = {"cpu_threads": threads} if args.backend == "vllm" else {}
         return (
             ray.remote(PinnedGenerator)
             .options(num_cpus=0, runtime_env=env)
-            .remote(cores, **{**common, "threads": threads, **kwargs})
+            .remote(cores, **{**common, **engine_threads, "threads": threads, **kwargs})
         )
 
     solo = actor([0], model_path=senior)
@@ -210,12 +218,13 @@ def forms_variants(args: argparse.Namespace) -> tuple[dict[str, Run], Callable[[
 
         return run
 
+    kind = args.backend
     runs: dict[str, Run] = {
-        "hf solo": call(solo, False),
-        "hf shared": call(shared, True),
-        "hf shared 2 threads": call(shared_two, True),
-        "hf separate one core": call(one_core, True),
-        "hf separate own cores": call(own_cores, True),
+        f"{kind} solo": call(solo, False),
+        f"{kind} shared": call(shared, True),
+        f"{kind} shared 2 threads": call(shared_two, True),
+        f"{kind} separate one core": call(one_core, True),
+        f"{kind} separate own cores": call(own_cores, True),
     }
 
     def rounds() -> dict:
@@ -436,6 +445,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "out" / "tandem"))
     parser.add_argument("--train", action="store_true", help="training comparison mode")
     parser.add_argument("--forms", action="store_true", help="shared vs separate junior mode")
+    parser.add_argument(
+        "--backend", default="vllm", choices=["vllm", "hf"], help="--forms: the engine kind"
+    )
     parser.add_argument("--steps", type=int, default=12, help="--train: steps per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--train: seeds")
     parser.add_argument("--eval-n", type=int, default=8, help="--train: samples per problem")
@@ -489,7 +501,7 @@ def main() -> None:
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{'forms' if args.forms else 'rollout_cost'}_{Path(args.model).name}"
+    stem = f"{'forms_' + args.backend if args.forms else 'rollout_cost'}_{Path(args.model).name}"
     (out / f"{stem}.json").write_text(
         json.dumps({"args": vars(args), "rows": rows, **extra}, indent=2)
     )
