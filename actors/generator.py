@@ -15,7 +15,9 @@ the engine fetches from the pipeline's `VersionBoard` and loads between decode s
 
 from __future__ import annotations
 
+import collections
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,12 +37,72 @@ from rlvr.generation.base import (
     StopRuleFactory,
 )
 from rlvr.generation.segments import Segments
-from rlvr.generation.tandem_separate import Handoff, SegmentWriter, cowrite, ready
+from rlvr.generation.tandem_separate import (
+    Handoff,
+    SegmentWriter,
+    cowrite,
+    cowrite_continuous,
+    ready,
+)
 from rlvr.generation.tandem_support import check_same_tokenizer
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 from rlvr.memory import pin_mmap_threshold, release_free_heap
 from rlvr.training import weight_sync
 from rlvr.training.rendezvous import bind_collectives
+
+PUMPS_IN_FLIGHT = 2
+"""`pump_segments` calls a senior keeps queued at its companion junior."""
+
+
+class CompanionSegments:
+    """A companion junior's engine as a `SegmentEngine`, driven through its `pump_segments`.
+    Two calls are kept in flight: the actor runs them one by one, so the second starts the
+    moment the first returns and the junior never waits for this process's engine step; the
+    segments added meanwhile go with the next call. An in-process companion is pumped within
+    `step`."""
+
+    def __init__(self, companion: Any, params: SamplingParams, stop_token_ids: list[int]) -> None:
+        self.companion = companion
+        self.params = params
+        self.stop_token_ids = stop_token_ids
+        self.call = uuid.uuid4().hex
+        self._remote = isinstance(companion, ray.actor.ActorHandle)
+        self._outbox: list[Handoff] = []
+        self._pending: collections.deque[ray.ObjectRef] = collections.deque()
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def add(self, handoffs: list[Handoff]) -> None:
+        self._outbox += handoffs
+        self._live += len(handoffs)
+        if self._remote:
+            self._send()
+
+    def step(self, wait: bool = True) -> list[Handoff]:
+        if not self._remote:
+            outbox, self._outbox = self._outbox, []
+            written = self._pump(outbox)
+        elif not self._pending:
+            written = []
+        else:
+            ready, _ = ray.wait([self._pending[0]], timeout=None if wait else 0)
+            written = ray.get(self._pending.popleft()) if ready else []
+        self._live -= len(written)
+        if self._remote:
+            self._send()
+        return written
+
+    def _send(self) -> None:
+        while self._live and len(self._pending) < PUMPS_IN_FLIGHT:
+            outbox, self._outbox = self._outbox, []
+            self._pending.append(self._pump(outbox))
+
+    def _pump(self, handoffs: list[Handoff]) -> Any:
+        pump = self.companion.pump_segments
+        args = (self.call, handoffs, self.params, self.stop_token_ids)
+        return pump.remote(*args) if self._remote else pump(*args)
 
 
 class GeneratorActor:
@@ -78,6 +140,8 @@ class GeneratorActor:
             self.companion = companion
         elif tandem is not None:
             backend_kwargs["junior_path"] = tandem["junior_path"]
+        if backend == "vllm" and (self.role == JUNIOR or self.companion is not None):
+            backend_kwargs["tandem_segments"] = True
         self.backend = make_backend(backend, model_path, **backend_kwargs)
         self.schedule: WordSwitchSchedule | None = None
         if tandem is not None:
@@ -95,6 +159,9 @@ class GeneratorActor:
         self._waited = self._wait_counted = 0.0
         """Seconds the current partial rollouts spent waiting for and loading a version, and
         the part of them already left out of a call's generation time."""
+        self._stream: tuple[str, Any, dict[int, int]] | None = None
+        """A companion junior's segments of a continuous hand-over: (call, its segment stream,
+        each live sample's response length when it arrived)."""
 
     def ready(self) -> bool:
         return True
@@ -126,15 +193,7 @@ class GeneratorActor:
         if schedule is not None and self.companion is not None:
             if stop_rule_factory is not None:
                 raise ValueError("stop rules and tandem generation cannot be combined")
-            results = cowrite(
-                requests,
-                params,
-                schedule,
-                senior=self._segment_writer(self.backend, params),
-                junior=self._segment_writer(self.companion, params),
-                decode=self._decode,
-                context_limit=self.backend.context_limit,
-            )
+            results = self._cowrite(requests, params, schedule)
         else:
             kwargs: dict[str, Any] = {} if loop is None else {"loop": loop}
             if self._partial is not None:
@@ -255,6 +314,52 @@ class GeneratorActor:
         self.seconds += time.perf_counter() - t
         self.tokens += sum(len(h.response_ids) for h in written) - before
         return written
+
+    def pump_segments(
+        self, call: str, handoffs: list[Handoff], params: SamplingParams, stop_token_ids: list[int]
+    ) -> list[Handoff]:
+        """A companion junior's part of a continuous hand-over (`cowrite_continuous`): add
+        `handoffs` to call `call`'s segments on this engine and step until one ends or none is
+        left; returns those that ended. A new `call` aborts what an earlier one left running."""
+        if self.role != JUNIOR:
+            raise ValueError("pump_segments runs on a Tandem junior's own engine only")
+        if self._stream is None or self._stream[0] != call:
+            self._end_stream()
+            stream = self.backend.segment_stream(params, self.schedule, JUNIOR, stop_token_ids)
+            self._stream = (call, stream, {})
+        _, stream, before = self._stream
+        t = time.perf_counter()
+        before.update((h.key, len(h.response_ids)) for h in handoffs)
+        stream.add(handoffs)
+        written: list[Handoff] = []
+        while len(stream) and not written:
+            written = stream.step()
+        self.seconds += time.perf_counter() - t
+        self.tokens += sum(len(h.response_ids) - before.pop(h.key) for h in written)
+        return written
+
+    def _end_stream(self) -> None:
+        if self._stream is not None:
+            self._stream[1].close()
+            self._stream = None
+
+    def _cowrite(
+        self, requests: Sequence[GenerationRequest], params: SamplingParams, schedule: Any
+    ) -> list[GenerationResult]:
+        """Co-write with the companion junior: handing each sample over the moment its segment
+        ends where the engines take segments while they decode (vLLM), else in rounds."""
+        common = {"decode": self._decode, "context_limit": self.backend.context_limit}
+        if not hasattr(self.backend, "segment_stream"):
+            senior = self._segment_writer(self.backend, params)
+            junior = self._segment_writer(self.companion, params)
+            return cowrite(requests, params, schedule, senior, junior, **common)
+        stop = sorted(self.backend.stop_token_ids)
+        stream = self.backend.segment_stream(params, schedule, SENIOR, stop)
+        try:
+            junior = CompanionSegments(self.companion, params, stop)
+            return cowrite_continuous(requests, params, schedule, stream, junior, **common)
+        finally:
+            stream.close()
 
     def _segment_writer(self, engine: Any, params: SamplingParams) -> SegmentWriter:
         """`cowrite`'s handle on this engine's backend (the senior) or on the companion (the

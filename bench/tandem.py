@@ -12,7 +12,9 @@ Forms mode (`algorithm.tandem.junior`): one engine kind's rollouts (--backend, v
 as Ray actors of one thread each, pinned to cores: `solo` (the senior alone), `shared` (the
 junior inside the senior's engine, both forwards on every token; also with two threads on both
 cores) and `separate` (the junior in its own engine, `rlvr.generation.tandem_separate`) with both
-engines on one core or each on its own. Besides the timings it counts, from the co-written samples'
+engines on one core or each on its own. vLLM engines hand a sample over the moment its segment
+ends (`cowrite_continuous`); transformers engines, which cannot take a request while they decode,
+in rounds (`cowrite`). Besides the timings it counts, from the co-written samples'
 authorship, the decode steps on the separate form's critical path (each round costs its longest
 segment) against the shared form's (the longest sample, two forwards a step): the figures a
 two-GPU prediction rests on, where a decode step costs about the same whatever the batch.

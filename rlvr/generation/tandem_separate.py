@@ -9,13 +9,16 @@ generator (`tandem_support.draw_tokens`), so the samples are those of the shared
 junior runs inside the senior's: the same seeds give the same tokens and authorship.
 
 `cowrite` runs the rounds: in each, every open sample goes to the engine of its next token's
-author, and the two engines write their segments at the same time.
+author, and the two engines write their segments at the same time. `cowrite_continuous` hands
+each sample over the moment its segment ends, to an engine that takes new segments while it
+decodes others (vLLM's): no sample waits for the round's longest segment.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -53,6 +56,24 @@ class Handoff:
     """The token generator's state after the last draw (None: nothing drawn yet)."""
     finish_reason: str | None = None
     """'stop' or 'length' once the sample has ended; None while it is open."""
+
+
+class SegmentEngine(Protocol):
+    """An engine as `cowrite_continuous` drives it: segments added at any time, stepped with
+    those already running."""
+
+    def __len__(self) -> int:
+        """Segments added and not yet returned by `step`."""
+        ...
+
+    def add(self, handoffs: list[Handoff]) -> None:
+        """Start each handoff's next segment (its next token is this engine's author's)."""
+        ...
+
+    def step(self, wait: bool = True) -> list[Handoff]:
+        """Advance; the handoffs whose segments ended. `wait=False`: return at once (perhaps
+        with nothing) where the engine writes in another process."""
+        ...
 
 
 SegmentWriter = Callable[[list[Handoff]], Callable[[], list[Handoff]]]
@@ -106,6 +127,55 @@ def cowrite(
         for handoff in written:
             handoffs[handoff.key] = handoff
         pending = [h for h in written if h.finish_reason is None]
+    return _results(requests, handoffs, schedule, decode, params)
+
+
+def cowrite_continuous(
+    requests: Sequence[GenerationRequest],
+    params: SamplingParams,
+    schedule: WordSwitchSchedule,
+    senior: SegmentEngine,
+    junior: SegmentEngine,
+    decode: Callable[[list[int]], str],
+    context_limit: int,
+) -> list[GenerationResult]:
+    """`cowrite` without rounds: a segment that ends goes at once to the other author's engine,
+    which adds it to the batch it is decoding. The engines run at the same time: the senior
+    steps here while the junior writes elsewhere, and this waits on the junior only when the
+    senior has nothing to write. Each token is drawn by its sample's generator from its author's
+    logits on the same ids, so the samples are `cowrite`'s."""
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    handoffs = start_handoffs(requests, params, context_limit)
+    engines = {SENIOR: senior, JUNIOR: junior}
+
+    def hand_over(written: list[Handoff]) -> None:
+        turns: dict[int, list[Handoff]] = {SENIOR: [], JUNIOR: []}
+        for handoff in written:
+            handoffs[handoff.key] = handoff
+            if handoff.finish_reason is None:
+                turns[schedule.replay(handoff.seed, handoff.response_ids).author].append(handoff)
+        for author, engine in engines.items():
+            if turns[author]:
+                engine.add(turns[author])
+
+    hand_over(handoffs)
+    while len(senior) or len(junior):
+        written = senior.step() if len(senior) else []
+        if len(junior):
+            written += junior.step(wait=not len(senior))
+        hand_over(written)
+    return _results(requests, handoffs, schedule, decode, params)
+
+
+def _results(
+    requests: Sequence[GenerationRequest],
+    handoffs: list[Handoff],
+    schedule: WordSwitchSchedule,
+    decode: Callable[[list[int]], str],
+    params: SamplingParams,
+) -> list[GenerationResult]:
+    """The ended handoffs as `generate` returns samples: grouped by request, in order."""
     results = [
         TrajectoryResult(
             str(h.key),

@@ -17,7 +17,13 @@ from actors.generator import GeneratorActor
 from rlvr.algorithms.tandem import JUNIOR, SENIOR, WordSwitchSchedule, word_boundary_ids
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, SamplingParams
-from rlvr.generation.tandem_separate import Handoff, cowrite, ready, start_handoffs
+from rlvr.generation.tandem_separate import (
+    Handoff,
+    cowrite,
+    cowrite_continuous,
+    ready,
+    start_handoffs,
+)
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 7]]
 SEEDS = [11, 2024, 7]
@@ -59,8 +65,8 @@ def junior(junior_dir):
 @pytest.fixture(scope="module")
 def vllm_pair(tiny_model_dir, junior_dir):
     """Senior and junior each on a vLLM engine of its own."""
-    senior = make_backend("vllm", tiny_model_dir, **VLLM_ENGINE)
-    junior = make_backend("vllm", junior_dir, **VLLM_ENGINE)
+    senior = make_backend("vllm", tiny_model_dir, tandem_segments=True, **VLLM_ENGINE)
+    junior = make_backend("vllm", junior_dir, tandem_segments=True, **VLLM_ENGINE)
     yield senior, junior
     junior.close()
     senior.close()
@@ -140,6 +146,63 @@ def test_separate_engines_write_what_the_shared_engine_writes(
     # Not a vacuous match: both models wrote, samples changed hands between rounds.
     assert 0 < sum(authors) < len(authors)
     assert {a for a, count in rounds if count} == {SENIOR, JUNIOR} and len(rounds) > 4
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "stop"),
+    [(1.0, 1.0, ()), (0.8, 0.9, ("7",))],
+    ids=["sampled", "top-p+stop"],
+)
+def test_a_continuous_hand_over_writes_what_the_shared_engine_writes(
+    shared, vllm_pair, schedule, temperature, top_p, stop
+):
+    """`cowrite_continuous` on two vLLM streams: segments join the other engine's running batch
+    as they end, yet every sample is the shared engine's. The streams never ran in lockstep
+    rounds: some step ended a segment while the other engine was writing."""
+    senior, junior = vllm_pair
+    params = SamplingParams(temperature, top_p, max_tokens=MAX_TOKENS, stop=stop)
+    want = shared.generate(_requests(), params, schedule=schedule)
+    stop_ids = sorted(senior.stop_token_ids)
+    streams = [
+        engine.segment_stream(params, schedule, author, stop_ids)
+        for engine, author in ((senior, SENIOR), (junior, JUNIOR))
+    ]
+    overlapped = []
+
+    class Watched:
+        """A stream that records, at each step that ends segments, whether the other stream
+        had segments running meanwhile."""
+
+        def __init__(self, stream, other):
+            self.stream, self.other = stream, other
+
+        def __len__(self):
+            return len(self.stream)
+
+        def add(self, handoffs):
+            self.stream.add(handoffs)
+
+        def step(self, wait=True):
+            written = self.stream.step(wait)
+            if written:
+                overlapped.append(len(self.other) > 0)
+            return written
+
+    try:
+        got = cowrite_continuous(
+            _requests(),
+            params,
+            schedule,
+            Watched(streams[0], streams[1]),
+            Watched(streams[1], streams[0]),
+            lambda ids: senior.tokenizer.decode(ids, skip_special_tokens=True),
+            senior.context_limit,
+        )
+    finally:
+        for stream in streams:
+            stream.close()
+    _assert_same(got, want)
+    assert any(overlapped) and len(overlapped) > 4
 
 
 def test_a_segment_ends_where_the_schedule_hands_over(pair, schedule):
