@@ -2,7 +2,8 @@
 `algorithm.tandem.junior: separate` (each senior engine handed its own junior engine, as
 `workflows.components` starts them) write, one engine or two, exactly the rollouts the shared
 engine writes; a weight sync moves the seniors only, and the frozen juniors keep writing their
-share. Log-probs within LOGPROB_ATOL as in tests/generation/test_tandem_separate.py."""
+share, on transformers and on vLLM engines. Log-probs within LOGPROB_ATOL as in
+tests/generation/test_tandem_separate.py."""
 
 import numpy as np
 import pytest
@@ -20,11 +21,11 @@ LOGPROB_ATOL = 1e-4
 ENGINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def _config(junior_dir, form: str):
+def _config(junior_dir, form: str, backend: str = "hf"):
     return load_config(
         "configs/tiny-tandem.yaml",
         [
-            "generation.backend=hf",
+            f"generation.backend={backend}",
             "resources.generator_engines=2",
             "resources.torch_threads=1",
             f"algorithm.tandem.junior={form}",
@@ -34,10 +35,11 @@ def _config(junior_dir, form: str):
     )
 
 
-@pytest.fixture(scope="module")
-def separate(ray_cluster, tiny_model_dir, junior_dir):
-    """Two senior engines, each with its junior engine, started from the separate config."""
-    cfg = _config(junior_dir, "separate")
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def separate(request, ray_cluster, tiny_model_dir, junior_dir):
+    """Two senior engines, each with its junior engine, started from the separate config, on
+    transformers engines (hand-over in rounds) or vLLM engines (continuous hand-over)."""
+    cfg = _config(junior_dir, "separate", request.param)
 
     def actor(**kwargs):
         return (
@@ -46,9 +48,10 @@ def separate(ray_cluster, tiny_model_dir, junior_dir):
             .remote(**kwargs)
         )
 
-    juniors = [actor(**companion_kwargs(cfg, tiny_model_dir)) for _ in range(2)]
+    juniors = [actor(**companion_kwargs(cfg, tiny_model_dir, i)) for i in range(2)]
     seniors = [
-        actor(**generator_kwargs(cfg, tiny_model_dir), companion=junior) for junior in juniors
+        actor(**generator_kwargs(cfg, tiny_model_dir, slot=i), companion=junior)
+        for i, junior in enumerate(juniors)
     ]
     workers = [Worker(a, f"GeneratorActor {i}") for i, a in enumerate(seniors)]
     GeneratorPool(workers).run("ready")

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+STEPS = 3
 TANDEM = [
     "algorithm.name=tandem",
-    "run.steps=2",
+    f"run.steps={STEPS}",
     "run.eval_every=1",
     # room in the placement group for a junior engine beside the engine, on two cores
     "resources.generator_cpus=0.5",
@@ -22,7 +23,7 @@ TANDEM = [
 
 @pytest.fixture(scope="module")
 def shared_run(tmp_path_factory, run_cli, tiny_train_args) -> Path:
-    """A finished 2-step Tandem run whose junior shares the senior's engine."""
+    """A finished Tandem run whose junior shares the senior's engine."""
     out = tmp_path_factory.mktemp("tandem-shared")
     proc = run_cli(tiny_train_args(out, *TANDEM))
     log, _ = proc.communicate(timeout=600)
@@ -35,10 +36,10 @@ def _lines(path) -> list[dict]:
 
 
 def _assert_trains_on_the_senior_s_tokens(metrics: list[dict]) -> None:
-    """Two steps whose authors switch, the senior writing about half (p = 0.5: the code's
+    """Steps whose authors switch, the senior writing about half (p = 0.5: the code's
     smoke-test band; 0 or 1 would mean the mask never reached the loss), and whose update saw
     exactly the senior's tokens."""
-    assert [m["step"] for m in metrics] == [0, 1]
+    assert [m["step"] for m in metrics] == list(range(STEPS))
     for m in metrics:
         frac = m["tandem/senior_token_frac"]
         assert 0.3 <= frac <= 0.7
@@ -54,20 +55,21 @@ def test_tandem_steps_through_the_actors(shared_run):
         assert m["tandem/mean_run_length"] > 1
         assert 0.0 <= m["tandem/cap_redraw_share"] <= 1.0
     rollouts = _lines(run / "rollouts.jsonl")
-    assert len(rollouts) == 2 * 16
+    assert len(rollouts) == STEPS * 16
     for r in rollouts:
         counters = r["flags"]["tandem"]
         assert counters["redraws"] == counters["boundary_redraws"] + counters["cap_redraws"]
         assert counters["redraws"] <= r["length"]
     evals = _lines(run / "eval.jsonl")
-    assert [e["step"] for e in evals] == [-1, 0, 1]
+    assert [e["step"] for e in evals] == list(range(-1, STEPS))
     for e in evals:
         assert e["best_metric"] == "eval_tandem_accuracy"
         assert 0.0 <= e["eval_tandem_accuracy"] <= 1.0 and 0.0 <= e["eval_accuracy"] <= 1.0
     best = max(evals[1:], key=lambda e: e["eval_tandem_accuracy"])  # the first of ties
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["best_step"], summary["best_metric"]) == (best["step"], "eval_tandem_accuracy")
-    progress = json.loads((run / "checkpoints" / "step_000001" / "progress.json").read_text())
+    last = run / "checkpoints" / f"step_{STEPS - 1:06d}"
+    progress = json.loads((last / "progress.json").read_text())
     assert (progress["best_step"], progress["best_metric"]) == (
         best["step"],
         "eval_tandem_accuracy",
@@ -78,13 +80,16 @@ def test_a_separate_junior_writes_the_shared_run_and_recovers(
     shared_run, tmp_path, run_cli, tiny_train_args, run_control
 ):
     """`algorithm.tandem.junior: separate`: the junior gets a vLLM engine of its own in the run's
-    placement group. One of the two engines is SIGKILLed once step 0 commits; the run recovers
-    and writes, token for token, the rollouts and evaluations of the shared engine's run, and the
+    placement group. The driver is SIGKILLed once step 0 commits and the run resumed; in the
+    resumed run, one of the two engines is SIGKILLed once step 1 commits, and the run recovers.
+    It writes, token for token, the rollouts and evaluations of the shared engine's run, and the
     same schedule and loss-mask metrics (engine log-probs may differ in the last float bits:
     tests/generation/test_tandem_separate.py)."""
     run = tmp_path / "full"
-    proc = run_cli(tiny_train_args(tmp_path, *TANDEM, "algorithm.tandem.junior=separate"))
-    run_control.wait_for_commit(proc, run / "checkpoints" / "step_000000", poll_s=0.01)
+    first = run_cli(tiny_train_args(tmp_path, *TANDEM, "algorithm.tandem.junior=separate"))
+    assert run_control.kill_driver_after_commit(first, run / "checkpoints" / "step_000000") == 0
+    proc = run_cli(["train", "--resume", str(run)])
+    run_control.wait_for_commit(proc, run / "checkpoints" / "step_000001", poll_s=0.01)
     run_control.kill_actor(proc, "GeneratorActor")
     log, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, log[-4000:]
