@@ -286,6 +286,7 @@ def test_the_old_key_names_its_replacement():
         ("tiny.yaml", ["algorithm.name=laconic", "algorithm.laconic.budget=12"]),
         ("tiny.yaml", ["algorithm.name=dapo"]),
         ("tiny-tandem.yaml", []),
+        ("tiny-tandem.yaml", ["algorithm.tandem.junior=separate"]),
     ],
 )
 def test_staleness_is_accepted_for_methods_that_overlap(preset, overrides):
@@ -317,6 +318,10 @@ def test_overlapped_roles_share_the_cores(monkeypatch):
         CONFIGS / "tiny.yaml", ["run.max_staleness=1", "resources.torch_threads=3"]
     )
     assert torch_threads(pinned, 1) == 3
+    juniors = load_config(
+        CONFIGS / "tiny-tandem.yaml", ["run.max_staleness=1", "algorithm.tandem.junior=separate"]
+    )
+    assert torch_threads(juniors, 1) == 8 // 3  # a rank, an engine and its junior at once
 
 
 class PartialPool:

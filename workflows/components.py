@@ -91,9 +91,10 @@ def torch_threads(cfg: Config, concurrent: int = 1) -> int:
     by the `concurrent` actors of one role that compute at once (policy ranks train together,
     engines generate together; the phases of a step take turns). With `run.max_staleness`
     the engines generate while the ranks train, so every rank and engine shares the cores
-    (oversubscribed threads made the overlapped step 2x slower: bench/step_breakdown.py)."""
+    (oversubscribed threads made the overlapped step 2x slower: bench/step_breakdown.py), and
+    so do the engines' companions (Tandem's separate juniors)."""
     if cfg.run.max_staleness:
-        concurrent = cfg.resources.policy_ranks + cfg.resources.generator_engines
+        concurrent = cfg.resources.policy_ranks + cfg.resources.generator_engines + companions(cfg)
     return cfg.resources.torch_threads or max(1, (os.cpu_count() or 1) // concurrent)
 
 

@@ -32,21 +32,10 @@ class TandemConfig(Section):
 
 
 def check_tandem(cfg: Config) -> None:
-    """Refuse the settings `algorithm.tandem.junior: separate` cannot run with (yet), by key."""
-    if cfg.algorithm.tandem.junior != "separate":
-        return
-    why = None
-    if cfg.resources.colocate:
-        why = (
-            "resources.colocate shares each engine's device with a policy rank, and a junior "
-            "engine has no rank to pair with (use resources.colocate: false, or "
-            "algorithm.tandem.junior: shared)"
+    """Refuse the settings `algorithm.tandem.junior: separate` cannot run with, by key."""
+    if cfg.algorithm.tandem.junior == "separate" and cfg.resources.colocate:
+        raise ValueError(
+            "algorithm.tandem.junior: separate cannot run here: resources.colocate shares each "
+            "engine's device with a policy rank, and a junior engine has no rank to pair with "
+            "(use resources.colocate: false, or algorithm.tandem.junior: shared)"
         )
-    elif cfg.run.max_staleness:
-        why = (
-            "run.max_staleness above 0 overlaps generation with training, which the hand-off "
-            "between two engines does not support yet (use run.max_staleness: 0, or "
-            "algorithm.tandem.junior: shared)"
-        )
-    if why is not None:
-        raise ValueError(f"algorithm.tandem.junior: separate cannot run here: {why}")
