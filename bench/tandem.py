@@ -171,6 +171,19 @@ def round_steps(authorships: list[list[int]]) -> dict[str, int]:
     }
 
 
+def two_gpu_projection(steps: dict[str, int]) -> dict[str, float]:
+    """Rollout time relative to one model alone, on two GPUs where a decode step costs one
+    forward whatever the batch (small batches are memory-bound) and a catch-up prefill about
+    as much: the senior alone steps `shared_steps` times, the shared engine as often with two
+    forwards a step, the separate form along its critical path with one."""
+    solo = steps["shared_steps"]
+    return {
+        "shared": 2.0,
+        "separate_rounds": steps["critical_steps"] / solo,
+        "separate_continuous": steps["continuous_steps"] / solo,
+    }
+
+
 def forms_variants(args: argparse.Namespace) -> tuple[dict[str, Run], Callable[[], dict]]:
     """The `--forms` variants as pinned Ray actors, and a function counting the separate
     form's rounds (`round_steps`) on one call's samples."""
@@ -470,6 +483,7 @@ def main() -> None:
             runs, rounds = forms_variants(args)
             rows = measure(runs, args.repeats)
             extra = rounds()
+            extra["two_gpus_x_solo"] = two_gpu_projection(extra)
         finally:
             ray.shutdown()
     else:
@@ -500,6 +514,10 @@ def main() -> None:
             f"decode steps on the critical path: shared {extra['shared_steps']} (two forwards "
             f"each); separate {extra['critical_steps']} in {extra['rounds']} rounds; separate "
             f"with continuous hand-over {extra['continuous_steps']} (one forward each)"
+        )
+        print(
+            "two GPUs, x solo (a step costs one forward whatever the batch): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in extra["two_gpus_x_solo"].items())
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

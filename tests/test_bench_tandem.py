@@ -25,3 +25,12 @@ def test_round_steps_hand_values():
         # a: 5 tokens + 2 switches, b: 5 + 1, c: 2 + 0
         "continuous_steps": 7,
     }
+
+
+def test_two_gpu_projection_hand_values():
+    steps = {"shared_steps": 5, "rounds": 3, "critical_steps": 8, "continuous_steps": 7}
+    assert tandem_bench.two_gpu_projection(steps) == {
+        "shared": 2.0,
+        "separate_rounds": 8 / 5,
+        "separate_continuous": 7 / 5,
+    }
