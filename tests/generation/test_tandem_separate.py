@@ -231,6 +231,30 @@ def test_the_length_limit_ends_a_sample_on_either_engine(shared, pair, schedule)
     assert {s.finish_reason for r in got for s in r.samples} == {"length"}
 
 
+def test_a_stop_string_the_last_allowed_token_completes_stops_the_sample(shared, pair, schedule):
+    """The token that completes a stop string is the sample's last allowed one: the sample ends
+    'stop', not 'length', on either engine kind (vLLM's engine ends it on its length before a
+    step could see the string, so the segment's end reads it afterwards)."""
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    decode = shared.tokenizer.decode
+    stop = None
+    for result in shared.generate(_requests(1), params, schedule=schedule):
+        for sample in result.samples:
+            head = decode(sample.token_ids[:-1], skip_special_tokens=True)
+            text = decode(sample.token_ids, skip_special_tokens=True)
+            if len(text) > len(head) and text[len(head) :] not in head:
+                stop = text[len(head) :]  # first completed by the last token
+                break
+        if stop is not None:
+            break
+    assert stop is not None
+    params = SamplingParams(temperature=1.0, max_tokens=6, stop=(stop,))
+    want = shared.generate(_requests(1), params, schedule=schedule)
+    got, _ = _separate(*pair, _requests(1), params, schedule)
+    _assert_same(got, want)
+    assert any(s.finish_reason == "stop" and len(s.token_ids) == 6 for r in got for s in r.samples)
+
+
 def test_one_sided_schedules_never_hand_over(senior, junior, schedule):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     for p, author, engine in ((1.0, SENIOR, senior), (0.0, JUNIOR, junior)):
