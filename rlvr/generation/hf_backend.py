@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PretrainedConfig
 
 from rlvr.algorithms.nucleus import top_p_filter
-from rlvr.algorithms.tandem import JUNIOR, SENIOR, WordSwitchSchedule
+from rlvr.algorithms.tandem import JUNIOR, WordSwitchSchedule
 from rlvr.generation.base import (
     GenerationRequest,
     GenerationResult,
@@ -38,8 +38,8 @@ from rlvr.generation.engine_loop import (
     sample_trajectories,
 )
 from rlvr.generation.segments import Segments
-from rlvr.generation.tandem_separate import HANDOFF, Handoff
-from rlvr.generation.tandem_support import AuthorTracker, check_same_tokenizer, draw_tokens
+from rlvr.generation.tandem_separate import HANDOFF, Handoff, resume_segment
+from rlvr.generation.tandem_support import check_same_tokenizer, draw_tokens
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 
 GREEDY_EPS = 1e-5
@@ -212,24 +212,12 @@ class HFBackend:
         until the schedule gives the next token to the other author or the sample ends (a stop
         id of `stop_token_ids`, the senior's; a stop string; its max_tokens). The context is
         prefilled from the handoff's ids, and tokens are drawn by its own generator."""
-        if author not in (SENIOR, JUNIOR):
-            raise ValueError(f"author must be SENIOR ({SENIOR}) or JUNIOR ({JUNIOR}), got {author}")
         written: list[Handoff] = []
         for start in range(0, len(handoffs), self.max_batch_size):
             chunk = handoffs[start : start + self.max_batch_size]
             jobs: list[_Job] = []
             for h in chunk:
-                tracker = AuthorTracker.resume(
-                    schedule,
-                    h.seed,
-                    params.temperature,
-                    params.top_p,
-                    h.response_ids,
-                    h.generator_state,
-                )
-                if tracker.state.author != author:
-                    raise ValueError(f"sample {h.key}: its next token is not this engine's")
-                hooks = TurnHooks(h.seed, author=tracker)
+                hooks = TurnHooks(h.seed, author=resume_segment(h, params, schedule, author))
                 jobs.append((h.prompt_ids + h.response_ids, h.max_tokens, hooks))
             samples = self._generate_batch(
                 jobs, params, author=author, handoffs=chunk, stop_token_ids=stop_token_ids

@@ -31,7 +31,12 @@ from rlvr.generation.base import (
     cut_at_stop,
 )
 from rlvr.generation.engine_loop import grouped_samples, sample_trajectories
-from rlvr.generation.tandem_support import TANDEM_FLAGS, counters_to_dict, tandem_seed
+from rlvr.generation.tandem_support import (
+    TANDEM_FLAGS,
+    AuthorTracker,
+    counters_to_dict,
+    tandem_seed,
+)
 from rlvr.generation.trajectories import TrajectoryResult, Turn, turn_seed
 
 HANDOFF = "handoff"
@@ -100,6 +105,38 @@ def start_handoffs(
     return handoffs
 
 
+def resume_segment(
+    handoff: Handoff, params: SamplingParams, schedule: WordSwitchSchedule, author: int
+) -> AuthorTracker:
+    """The tracker an engine writing as `author` continues `handoff` with (its author state
+    replayed from the ids, its generator where the other engine left it); raises unless the
+    next token is `author`'s."""
+    if author not in (SENIOR, JUNIOR):
+        raise ValueError(f"author must be SENIOR ({SENIOR}) or JUNIOR ({JUNIOR}), got {author}")
+    tracker = AuthorTracker.resume(
+        schedule,
+        handoff.seed,
+        params.temperature,
+        params.top_p,
+        handoff.response_ids,
+        handoff.generator_state,
+    )
+    if tracker.state.author != author:
+        raise ValueError(f"sample {handoff.key}: its next token is not this engine's")
+    return tracker
+
+
+def by_next_author(
+    handoffs: Sequence[Handoff], schedule: WordSwitchSchedule
+) -> dict[int, list[Handoff]]:
+    """The open handoffs grouped by the author of their next token."""
+    turns: dict[int, list[Handoff]] = {SENIOR: [], JUNIOR: []}
+    for handoff in handoffs:
+        if handoff.finish_reason is None:
+            turns[schedule.replay(handoff.seed, handoff.response_ids).author].append(handoff)
+    return turns
+
+
 def cowrite(
     requests: Sequence[GenerationRequest],
     params: SamplingParams,
@@ -119,9 +156,7 @@ def cowrite(
     handoffs = start_handoffs(requests, params, context_limit)
     pending = list(handoffs)
     while pending:
-        turns: dict[int, list[Handoff]] = {SENIOR: [], JUNIOR: []}
-        for handoff in pending:
-            turns[schedule.replay(handoff.seed, handoff.response_ids).author].append(handoff)
+        turns = by_next_author(pending, schedule)
         waits = [writer(turns[author]) for author, writer in ((JUNIOR, junior), (SENIOR, senior))]
         written = sorted((h for wait in waits for h in wait()), key=lambda h: h.key)
         for handoff in written:
@@ -150,11 +185,9 @@ def cowrite_continuous(
     engines = {SENIOR: senior, JUNIOR: junior}
 
     def hand_over(written: list[Handoff]) -> None:
-        turns: dict[int, list[Handoff]] = {SENIOR: [], JUNIOR: []}
         for handoff in written:
             handoffs[handoff.key] = handoff
-            if handoff.finish_reason is None:
-                turns[schedule.replay(handoff.seed, handoff.response_ids).author].append(handoff)
+        turns = by_next_author(written, schedule)
         for author, engine in engines.items():
             if turns[author]:
                 engine.add(turns[author])

@@ -211,27 +211,26 @@ class TandemAuthorLogitsProcessor(RowTrackingLogitsProcessor):
 @dataclass
 class SegmentTurn:
     """One sample's segment on an engine that runs one of the two models: the request's output
-    continues the sample's response after its first `offset` tokens."""
+    continues the sample's response after its `head`."""
 
     tracker: AuthorTracker
     """The sample's author state and token generator, resumed from the response so far."""
     author: int
     """The author this engine's model writes as (SENIOR or JUNIOR)."""
-    offset: int
+    head: tuple[int, ...]
+    """The response before this segment (another engine's tokens among them)."""
     end_token: int
     """A stop id of the request, forced to end it; the backend drops it from the segment."""
     holds_stop: Callable[[list[int]], bool] | None = None
-    """Whether the whole response (its first `offset` tokens first) holds a stop string; None
-    when the sampling settings have none."""
-    head: tuple[int, ...] = ()
-    """The response's first `offset` tokens, where stop strings are checked."""
+    """Whether the whole response (`head` first) holds a stop string; None when the sampling
+    settings have none."""
     ended: str | None = None
     """HANDOFF or 'stop' (a stop string) once `end_token` was forced; None while it writes."""
 
     def writes_next(self, output_ids: list[int], n: int) -> bool:
         """Show the tracker the request's first `n` output ids; whether this engine draws the
         next token (else the segment ends: `ended` says why)."""
-        author = self.tracker.observe(output_ids, n, self.offset)
+        author = self.tracker.observe(output_ids, n, len(self.head))
         if self.ended is None and n and self.holds_stop is not None:
             self.ended = "stop" if self.holds_stop([*self.head, *output_ids[:n]]) else None
         if self.ended is None and author != self.author:

@@ -32,7 +32,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from rlvr.algorithms.tandem import JUNIOR, SENIOR, WordSwitchSchedule
+from rlvr.algorithms.tandem import WordSwitchSchedule
 from rlvr.generation import tandem_vllm
 from rlvr.generation.base import (
     EngineLoop,
@@ -60,8 +60,8 @@ from rlvr.generation.engine_loop import (
 from rlvr.generation.hf_backend import checked_weights, hf_weight_names
 from rlvr.generation.segments import Segments
 from rlvr.generation.stop_rules import StopRuleTracker
-from rlvr.generation.tandem_separate import HANDOFF, Handoff
-from rlvr.generation.tandem_support import AuthorTracker, check_same_tokenizer
+from rlvr.generation.tandem_separate import HANDOFF, Handoff, resume_segment
+from rlvr.generation.tandem_support import check_same_tokenizer
 from rlvr.generation.trajectories import Trajectory, TrajectoryLimits, TrajectoryResult
 from rlvr.generation.vllm_rows import RowTrackingLogitsProcessor, real_token_count
 
@@ -299,23 +299,12 @@ class SegmentStream:
         """Start each handoff's next segment; its next token must be this engine's author's."""
         params, backend = self.params, self.backend
         for h in handoffs:
-            tracker = AuthorTracker.resume(
-                self.schedule,
-                h.seed,
-                params.temperature,
-                params.top_p,
-                h.response_ids,
-                h.generator_state,
-            )
-            if tracker.state.author != self.author:
-                raise ValueError(f"sample {h.key}: its next token is not this engine's")
             segment = tandem_vllm.SegmentTurn(
-                tracker,
+                resume_segment(h, params, self.schedule, self.author),
                 self.author,
-                len(h.response_ids),
+                tuple(h.response_ids),
                 backend.eos_token_id,
                 self._holds_stop if params.stop else None,
-                tuple(h.response_ids),
             )
             key = uuid.uuid4().hex
             tandem_vllm.ACTIVE_SEGMENTS[key] = segment
@@ -677,8 +666,6 @@ class VLLMBackend:
     ) -> SegmentStream:
         """Segments written as `author` on this engine, added at any time
         (`rlvr.generation.tandem_separate.SegmentEngine`); close it when done."""
-        if author not in (SENIOR, JUNIOR):
-            raise ValueError(f"author must be SENIOR ({SENIOR}) or JUNIOR ({JUNIOR}), got {author}")
         return SegmentStream(self, params, schedule, author, stop_token_ids)
 
     def _sample(self, completion: Any, hooks: TurnHooks, params: SamplingParams) -> Sample:
