@@ -9,8 +9,8 @@ Every run is the command a user types (`rlvr train --config PRESET --set run.max
 `--partial-ks`); within a seed the modes run one after another in a rotated order, so no mode
 always runs first or last on a machine whose load drifts. Step times leave out step 0 (its
 engine and policy warm up) and, for k > 0, the first k steps (the pipeline fills) and the last k
-(nothing is left to collect ahead). On one CPU
-machine the engines and the policy share the cores: k > 0 can only recover the time one side
+(nothing is left to collect ahead); a run too short to leave a steady step (5 steps at k = 4)
+reports its accuracy and n/a for its times. On one CPU machine the engines and the policy share the cores: k > 0 can only recover the time one side
 waits for the other, never add compute; what a cluster gains is `bench/async_sim.py`'s question.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 
 from harness import ROOT, markdown_table, run_rlvr, write_results  # bench/, the script's directory
@@ -56,54 +57,67 @@ def train(preset: Path, mode: Mode, seed: int, steps: int, out: Path, log: Path)
 
 
 def summarise(run: Path, k: int) -> dict:
-    """A run's final held-out accuracy and its steady steps' medians."""
+    """A run's final held-out accuracy and its steady steps' medians; the step-time figures are
+    None when the run is too short to have a steady step (5 steps at k = 4)."""
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # past the first max(1, k) steps (warm-up, the pipeline filling) and before the last k (no
     # batch left to collect ahead: the engines idle)
-    steady = metrics[max(1, k) : len(metrics) - k]
+    filled = metrics[max(1, k) :]
+    steady = filled[: len(filled) - k]
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
 
-    def median(key: str) -> float:
-        return statistics.median(m[key] for m in steady)
+    def median(values: Iterable[float]) -> float | None:
+        values = list(values)
+        return statistics.median(values) if values else None
 
     return {
         "token_staleness_mean": statistics.mean(
-            m.get("token_staleness_mean", m["rollout_staleness"]) for m in steady
+            m.get("token_staleness_mean", m["rollout_staleness"]) for m in steady or filled
         ),
         "eval_accuracy_before": evals[0]["eval_accuracy"],
         "eval_accuracy": evals[-1]["eval_accuracy"],
-        "time_step": median("time_step"),
-        "tokens_per_step_s": statistics.median(
-            m["tokens_generated"] / m["time_step"] for m in steady
-        ),
-        "busy_share_engines": median("busy_share_engines"),
-        "busy_share_policy": median("busy_share_policy"),
-        "time_wait_rollouts": statistics.median(m.get("time_wait_rollouts", 0.0) for m in steady),
+        "time_step": median(m["time_step"] for m in steady),
+        "tokens_per_step_s": median(m["tokens_generated"] / m["time_step"] for m in steady),
+        "busy_share_engines": median(m["busy_share_engines"] for m in steady),
+        "busy_share_policy": median(m["busy_share_policy"] for m in steady),
+        "time_wait_rollouts": median(m.get("time_wait_rollouts", 0.0) for m in steady),
         "staleness": [m["rollout_staleness"] for m in metrics],
     }
 
 
+def seeds_median(runs: list[dict], key: str) -> float | None:
+    """The median over seeds of a step-time figure; None when a run has no steady step."""
+    values = [r[key] for r in runs]
+    return None if None in values else statistics.median(values)
+
+
+def cell(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def table(results: dict[Mode, list[dict]]) -> str:
-    """One row per mode: accuracy (mean and standard error over seeds) and the seeds' medians."""
+    """One row per mode: accuracy (mean and standard error over seeds) and the seeds' medians;
+    n/a where the runs were too short for a steady step."""
     rows = []
-    sync_step = statistics.median(r["time_step"] for r in results[min(results)])
+    sync_step = seeds_median(results[min(results)], "time_step")
     for mode, runs in sorted(results.items()):
         acc = [r["eval_accuracy"] for r in runs]
         se = statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1 else float("nan")
         before = statistics.mean(r["eval_accuracy_before"] for r in runs)
-        step = statistics.median(r["time_step"] for r in runs)
+        step = seeds_median(runs, "time_step")
+        speed = None if step is None or sync_step is None else sync_step / step
         rows.append(
             [
                 mode_name(mode),
                 f"{statistics.mean(r['token_staleness_mean'] for r in runs):.2f}",
                 f"{before:.3f}",
                 f"{statistics.mean(acc):.3f} ± {se:.3f}",
-                f"{step:.2f}",
-                f"{sync_step / step:.2f}x",
-                f"{statistics.median(r['tokens_per_step_s'] for r in runs):.0f}",
-                f"{statistics.median(r['busy_share_engines'] for r in runs):.2f}",
-                f"{statistics.median(r['busy_share_policy'] for r in runs):.2f}",
-                f"{statistics.median(r['time_wait_rollouts'] for r in runs):.2f}",
+                cell(step, ".2f"),
+                cell(speed, ".2f") + ("x" if speed is not None else ""),
+                cell(seeds_median(runs, "tokens_per_step_s"), ".0f"),
+                cell(seeds_median(runs, "busy_share_engines"), ".2f"),
+                cell(seeds_median(runs, "busy_share_policy"), ".2f"),
+                cell(seeds_median(runs, "time_wait_rollouts"), ".2f"),
             ]
         )
     header = [
