@@ -10,8 +10,9 @@ Every run is the command a user types (`rlvr train --config PRESET --set run.max
 always runs first or last on a machine whose load drifts. Step times leave out step 0 (its
 engine and policy warm up) and, for k > 0, the first k steps (the pipeline fills) and the last k
 (nothing is left to collect ahead); a run too short to leave a steady step (5 steps at k = 4)
-reports its accuracy and n/a for its times. On one CPU machine the engines and the policy share the cores: k > 0 can only recover the time one side
-waits for the other, never add compute; what a cluster gains is `bench/async_sim.py`'s question.
+reports its accuracy and n/a for its times. On one CPU machine the engines and the policy share
+the cores: k > 0 can only recover the time one side waits for the other, never add compute; what a
+cluster gains is `bench/async_sim.py`'s question.
 """
 
 from __future__ import annotations
