@@ -57,6 +57,17 @@ def train(preset: Path, mode: Mode, seed: int, steps: int, out: Path, log: Path)
     return out / name
 
 
+def median_or_none(values: Iterable[float | None]) -> float | None:
+    """The median, or None when there is nothing to take it of: no steady step, or a seed's run
+    without one."""
+    values = list(values)
+    return None if not values or None in values else statistics.median(values)
+
+
+def cell(value: float | None, spec: str, unit: str = "") -> str:
+    return "n/a" if value is None else format(value, spec) + unit
+
+
 def summarise(run: Path, k: int) -> dict:
     """A run's final held-out accuracy and its steady steps' medians; the step-time figures are
     None when the run is too short to have a steady step (5 steps at k = 4)."""
@@ -67,45 +78,31 @@ def summarise(run: Path, k: int) -> dict:
     steady = filled[: len(filled) - k]
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
 
-    def median(values: Iterable[float]) -> float | None:
-        values = list(values)
-        return statistics.median(values) if values else None
-
     return {
         "token_staleness_mean": statistics.mean(
             m.get("token_staleness_mean", m["rollout_staleness"]) for m in steady or filled
         ),
         "eval_accuracy_before": evals[0]["eval_accuracy"],
         "eval_accuracy": evals[-1]["eval_accuracy"],
-        "time_step": median(m["time_step"] for m in steady),
-        "tokens_per_step_s": median(m["tokens_generated"] / m["time_step"] for m in steady),
-        "busy_share_engines": median(m["busy_share_engines"] for m in steady),
-        "busy_share_policy": median(m["busy_share_policy"] for m in steady),
-        "time_wait_rollouts": median(m.get("time_wait_rollouts", 0.0) for m in steady),
+        "time_step": median_or_none(m["time_step"] for m in steady),
+        "tokens_per_step_s": median_or_none(m["tokens_generated"] / m["time_step"] for m in steady),
+        "busy_share_engines": median_or_none(m["busy_share_engines"] for m in steady),
+        "busy_share_policy": median_or_none(m["busy_share_policy"] for m in steady),
+        "time_wait_rollouts": median_or_none(m.get("time_wait_rollouts", 0.0) for m in steady),
         "staleness": [m["rollout_staleness"] for m in metrics],
     }
-
-
-def seeds_median(runs: list[dict], key: str) -> float | None:
-    """The median over seeds of a step-time figure; None when a run has no steady step."""
-    values = [r[key] for r in runs]
-    return None if None in values else statistics.median(values)
-
-
-def cell(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
 
 
 def table(results: dict[Mode, list[dict]]) -> str:
     """One row per mode: accuracy (mean and standard error over seeds) and the seeds' medians;
     n/a where the runs were too short for a steady step."""
     rows = []
-    sync_step = seeds_median(results[min(results)], "time_step")
+    sync_step = median_or_none(r["time_step"] for r in results[min(results)])
     for mode, runs in sorted(results.items()):
         acc = [r["eval_accuracy"] for r in runs]
         se = statistics.stdev(acc) / len(acc) ** 0.5 if len(acc) > 1 else float("nan")
         before = statistics.mean(r["eval_accuracy_before"] for r in runs)
-        step = seeds_median(runs, "time_step")
+        step = median_or_none(r["time_step"] for r in runs)
         speed = None if step is None or sync_step is None else sync_step / step
         rows.append(
             [
@@ -114,11 +111,11 @@ def table(results: dict[Mode, list[dict]]) -> str:
                 f"{before:.3f}",
                 f"{statistics.mean(acc):.3f} ± {se:.3f}",
                 cell(step, ".2f"),
-                cell(speed, ".2f") + ("x" if speed is not None else ""),
-                cell(seeds_median(runs, "tokens_per_step_s"), ".0f"),
-                cell(seeds_median(runs, "busy_share_engines"), ".2f"),
-                cell(seeds_median(runs, "busy_share_policy"), ".2f"),
-                cell(seeds_median(runs, "time_wait_rollouts"), ".2f"),
+                cell(speed, ".2f", "x"),
+                cell(median_or_none(r["tokens_per_step_s"] for r in runs), ".0f"),
+                cell(median_or_none(r["busy_share_engines"] for r in runs), ".2f"),
+                cell(median_or_none(r["busy_share_policy"] for r in runs), ".2f"),
+                cell(median_or_none(r["time_wait_rollouts"] for r in runs), ".2f"),
             ]
         )
     header = [
