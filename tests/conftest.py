@@ -225,3 +225,33 @@ class LoggerStores:
 def logger_stores() -> type[LoggerStores]:
     """Readers of the TensorBoard, W&B (offline files) and MLflow (file store) stores."""
     return LoggerStores
+
+
+_START_COUNTER = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With RLVR_TEST_STARTS set, count each test's time and driver and engine starts
+    (tests/start_counts.py)."""
+    global _START_COUNTER
+    from tests.start_counts import counter_from_env
+
+    _START_COUNTER = counter_from_env()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if _START_COUNTER is None:
+        yield
+        return
+    before = _START_COUNTER.snapshot()
+    item.phase_seconds = {}
+    yield
+    _START_COUNTER.record(item.nodeid, item.phase_seconds, before)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    yield
+    if _START_COUNTER is not None:
+        item.phase_seconds[call.when] = call.duration
