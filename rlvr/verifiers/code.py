@@ -12,7 +12,9 @@ The gold (a problem's `answer`, a str) is a JSON object with one of two test for
 The solution is the last ```python (or ```py, or bare ```) fenced block of the response, else the
 whole response. Reward 1.0 when every test passes, else 0.0; status "correct", "wrong" (a test
 failed), "timeout" (the item's wall-clock budget ran out), "error" (syntax error, exception
-outside an assert, a crash or a limit hit; also an unusable gold) or "no_code" (empty solution).
+outside an assert, a crash or a limit hit; also an unusable gold), "no_code" (empty solution) or
+"output_limit" (an io run wrote more than IO_OUTPUT_MB MiB on stdout: what was kept is not
+compared, since a prefix of the right output followed by anything would match it).
 
 Who decides the verdict. A policy under training searches for rewards it can forge, and anything
 that runs in the solution's interpreter can be rewritten by the solution (frames, gc, builtins,
@@ -48,6 +50,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -57,7 +60,10 @@ from rlvr.verifiers.sandbox import Limits, Sandbox, resolve_mode, run_python
 
 __all__ = ["STATUSES", "CodeVerifier", "extract_code", "parse_gold"]
 
-STATUSES = ("correct", "wrong", "timeout", "error", "no_code")
+STATUSES = ("correct", "wrong", "timeout", "error", "no_code", "output_limit")
+IO_OUTPUT_MB = 16
+"""The most stdout an io case's run may write (MiB): past it the item scores "output_limit",
+never compared as if what was kept were the whole output."""
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -132,6 +138,7 @@ class CodeVerifier(ClosingVerifier):
         self.num_workers = num_workers
         self.timeout = timeout
         self.limits = Limits(memory_mb=memory_limit_mb or 512, cpu_s=max(1, int(timeout) + 1))
+        self._io_limits = replace(self.limits, output_kb=IO_OUTPUT_MB << 10)
         self.mode = mode
         self.unsafe_hook = unsafe_hook
         self._closed = False
@@ -189,10 +196,12 @@ class CodeVerifier(ClosingVerifier):
         if remaining <= 0:
             return 0.0, "timeout"
         result = run_python(
-            code, case["input"], remaining, self.limits, self.mode, self.unsafe_hook
+            code, case["input"], remaining, self._io_limits, self.mode, self.unsafe_hook
         )
         if result.timed_out:
             return 0.0, "timeout"
+        if result.stdout_truncated:
+            return 0.0, "output_limit"
         if result.returncode != 0:
             return 0.0, "error"
         if _normalize(result.stdout) != _normalize(case["output"]):

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlvr.verifiers.code import CodeVerifier, extract_code, parse_gold
+from rlvr.verifiers.code import IO_OUTPUT_MB, CodeVerifier, extract_code, parse_gold
 from rlvr.verifiers.sandbox import Limits, available_mode, run_python
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
@@ -155,6 +155,16 @@ def test_the_tests_run_apart_and_see_only_values(verifier, solution, gold, expec
         1.0 if expected == "correct" else 0.0,
         expected,
     )
+
+
+def test_io_output_is_compared_whole_up_to_the_cap(verifier):
+    """Right output of exactly the cap scores correct; one byte more is `output_limit`, never
+    compared as if it were all the output."""
+    lines = IO_OUTPUT_MB << 19  # "y\n" per line: exactly the cap
+    gold = json.dumps({"io": [{"input": "", "output": "y\n" * lines}]})
+    write = f"import sys\nsys.stdout.write('y\\n' * {lines})\n"
+    assert verifier.verify(write, gold) == (1.0, "correct")
+    assert verifier.verify(write + "sys.stdout.write('z')\n", gold) == (0.0, "output_limit")
 
 
 def test_verify_batch_keeps_order_and_times_out_per_item(verifier):
