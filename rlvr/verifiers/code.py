@@ -163,7 +163,9 @@ class CodeVerifier(ClosingVerifier):
         )
 
     def _asserts(self, code: str, spec: dict, deadline: float) -> tuple[float, str]:
-        """The verdict of the tests' sandbox, relaying its calls to the solution's sandbox."""
+        """The verdict of the tests' sandbox, relaying messages between it and the solution's:
+        line by line (each at most a piece of a message, rlvr.verifiers.harness.FRAME_PIECE),
+        the solution's names, then each call and its reply, so a value of any size crosses."""
         setup = spec.get("setup", "")
         with (
             self._sandbox(SOLUTION_PROGRAM, deadline) as solution,
@@ -171,24 +173,20 @@ class CodeVerifier(ClosingVerifier):
         ):
             solution.send(_line({"solution": code, "setup": setup}))
             tests.send(_line({"setup": setup, "tests": spec["asserts"]}))
-            names = solution.read_line()  # what the solution defined: the tests' first input
-            if names is None:
-                return _lost(solution)
-            relay = names
+            talker, listener = solution, tests  # the solution's names come first
             while True:
-                if not tests.send(relay + b"\n"):
-                    return _lost(tests)
-                line = tests.read_line()
+                line = talker.read_line()
                 if line is None:
-                    return _lost(tests)
+                    return _lost(talker)
                 word, _, rest = line.partition(b" ")
-                if word == b"verdict":
+                if talker is tests and word == b"verdict":
                     return _VERDICTS.get(rest.split(b" ")[0], (0.0, "error"))
-                if word != b"call" or not solution.send(rest + b"\n"):
-                    return _lost(solution)
-                relay = solution.read_line()
-                if relay is None:
-                    return _lost(solution)
+                if talker is tests and word not in (b"more", b"call"):
+                    return _lost(tests)
+                if not listener.send(line + b"\n"):
+                    return _lost(listener)
+                if word != b"more":  # the message is whole: the other side's turn
+                    talker, listener = listener, talker
 
     def _io_case(self, code: str, case: dict, deadline: float) -> tuple[float, str] | None:
         """A failed io case's score; None when its output is right."""
