@@ -25,8 +25,18 @@ computes values, and the verdict is made where the solution's code never runs:
   and the comparisons live in one, which never runs the solution's code and whose verdict line
   is the only one read; the solution, with the setup (as before: a solution may lean on its
   imports), runs in the other and answers each call the tests make with a value, strictly
-  serialised plain data of at most a MiB (objects of its own classes, subclasses of builtins
-  included, are refused). It never receives the tests, only each call's arguments. Running the
+  serialised plain data of any size, relayed in 64 KiB pieces (objects of its own classes,
+  subclasses of builtins included, are refused). It never receives the tests, only each call's
+  arguments. Two rules keep a wrong value from passing a test by its shape rather than its
+  value: an exception the solution raises reaches the tests as its nearest builtin error
+  (marked as the solution's, so a test may expect a ValueError), but one that only control flow
+  raises (StopIteration, StopAsyncIteration, GeneratorExit, SystemExit, ...) arrives as a
+  SolutionError that fails the test that made the call even if it catches it, so
+  `all(map(f, xs))` cannot end early on it; and every ordering comparison (<, <=, >, >=)
+  written in the tests or the setup fails its test when an operand is a NaN, which compares
+  False with everything and would pass `not abs(f(x) - y) > 1e-6` as a close value would
+  (equality, `math.isnan` and comparisons made inside library functions, `max` included, are
+  Python's). Running the
   tests' own code apart, rather than parsing `assert f(x) == y` into a call and a value, keeps
   every form of test the data holds (HumanEval's `check(candidate)` with loops and
   `abs(...) < 1e-6`, MBPP's `math.isclose` and `set(...) == set(...)`) under the same guarantee,
@@ -36,7 +46,8 @@ computes values, and the verdict is made where the solution's code never runs:
   `find_zero`), which the test then trusts. What no longer works: a test that needs the
   solution's objects themselves (an instance of its class, an argument it mutates in place) or
   passes a function to it; such an item scores "error".
-* io: the solution's stdout is compared with the expected output here; it never sees it.
+* io: the solution's stdout is compared with the expected output here; it never sees it. At
+  most IO_OUTPUT_MB (16) MiB of it is kept; a longer output scores "output_limit".
 
 Each sandbox also hides the host's files (namespaces mode), so no dataset file can be read to
 learn the expected values (rlvr.verifiers.sandbox). `CodeVerifier` has MathVerifier's interface

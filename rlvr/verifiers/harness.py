@@ -12,11 +12,16 @@ are refused). It computes values and nothing else; whatever the solution does to
 `run_tests` runs in a second process, which never executes the solution's code: the tests (and
 their expected values) reach only it. Each name the solution defined becomes a proxy that asks
 the solution's process for a value; the value is decoded by `decode` into builtin types, so the
-tests' own comparisons (`==`, `math.isclose`, `sorted(...)`) are Python's, on plain data. It
-reports one verdict line; the caller reads verdicts from this process only.
+tests' own comparisons (`==`, `math.isclose`, `sorted(...)`) are Python's, on plain data, with
+two exceptions. A solution's exception is raised in the test as its nearest builtin error,
+marked (SolutionRaised), or, when it is one a test could mistake for control flow or no error
+at all, as a SolutionError recorded against the test; and the tests' ordering comparisons pass
+their operands through a guard that records a NaN. A recorded fault fails its test however the
+test ends. It reports one verdict line; the caller reads verdicts from this process only.
 
-The caller (rlvr.verifiers.code) relays lines between the two: tests -> "call <json>" ->
-solution -> one reply line -> tests, until "verdict <pass|wrong|error> ...".
+The caller (rlvr.verifiers.code) relays lines between the two: the solution's "names" message,
+then tests -> "call" -> solution -> "reply" -> tests, until "verdict <pass|wrong|error> ...". A
+message longer than FRAME_PIECE goes as "more <piece>" lines before its last "<word> <piece>".
 """
 
 from __future__ import annotations
