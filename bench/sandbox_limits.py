@@ -16,7 +16,8 @@ this checkout or from the baseline commit's `rlvr/` (extracted with `git archive
 * 40 correct items: `CodeVerifier(num_workers=2).verify_batch` of 40 correct assert-style
   solutions, median of 3 (the price of the second sandbox per item).
 * hostile: the programs of tests/verifiers/hostile_solutions.py (wrong solutions that try to score
-  correct) and a correct solution per gold, through `CodeVerifier.verify_batch`.
+  correct) and its correct solutions (CORRECT), through `CodeVerifier.verify_batch`; reported,
+  each verdict, how many hostile programs scored correct and how many correct ones did.
 
 Prints two Markdown tables (limits; hostile verdicts by class) and writes them to
 bench/out/sandbox_limits/ (results.md, and the raw figures in results.json). Timings are this
@@ -116,39 +117,41 @@ def _children() -> dict[str, Any]:
 
 def _throughput() -> dict[str, Any]:
     from rlvr.verifiers.code import CodeVerifier
-    from tests.verifiers.hostile_solutions import ASSERT_GOLD, RIGHT
+    from tests.verifiers.hostile_solutions import CORRECT
 
-    response = f"```python\n{RIGHT[ASSERT_GOLD]}```"
+    right = CORRECT[0]
     times = []
     with CodeVerifier(num_workers=2, timeout=10.0) as verifier:
         verifier.wait_ready()
         for _ in range(3):
             start = time.monotonic()
-            scored = verifier.verify_batch([response] * 40, [ASSERT_GOLD] * 40)
+            scored = verifier.verify_batch([right.response] * 40, [right.gold] * 40)
             times.append(time.monotonic() - start)
     return {"seconds": statistics.median(times), "correct": [s[1] for s in scored].count("correct")}
 
 
 def _hostile() -> dict[str, Any]:
     from rlvr.verifiers.code import CodeVerifier
-    from tests.verifiers.hostile_solutions import RIGHT, SECRET_ENV, dataset_lines, hostile_cases
+    from tests.verifiers.hostile_solutions import CORRECT, SECRET_ENV, dataset_lines, hostile_cases
 
     data = ROOT / f".hostile-data-{os.getpid()}.jsonl"
     data.write_text(dataset_lines())
     os.environ[SECRET_ENV] = json.loads(dataset_lines().splitlines()[0])["answer"]
     try:
         cases = hostile_cases(str(data))
-        responses = [c.response for c in cases] + [f"```python\n{r}```" for r in RIGHT.values()]
-        golds = [c.gold for c in cases] + list(RIGHT)
+        responses = [c.response for c in cases + CORRECT]
+        golds = [c.gold for c in cases + CORRECT]
         with CodeVerifier(num_workers=2, timeout=5.0) as verifier:
             scored = verifier.verify_batch(responses, golds)
     finally:
         data.unlink()
-    right = [list(s) for s in scored[len(cases) :]]
-    scored = scored[: len(cases)]
     rows = [
         {"kind": c.kind, "name": c.name, "verdict": list(s)}
-        for c, s in zip(cases, scored, strict=True)
+        for c, s in zip(cases, scored[: len(cases)], strict=True)
+    ]
+    right = [
+        {"name": c.name, "verdict": list(s)}
+        for c, s in zip(CORRECT, scored[len(cases) :], strict=True)
     ]
     return {"cases": rows, "correct_solutions": right}
 
@@ -221,8 +224,13 @@ def main() -> None:
     for i, case in enumerate(hostile[0]["cases"]):
         verdicts = " | ".join(h["cases"][i]["verdict"][1] for h in hostile)
         lines.append(f"| {case['kind']} | {case['name']} | {verdicts} |")
-    right = " | ".join(", ".join(s for _, s in h["correct_solutions"]) for h in hostile)
-    lines.append(f"| (correct) | a right solution per gold | {right} |")
+    for i, case in enumerate(hostile[0]["correct_solutions"]):
+        verdicts = " | ".join(h["correct_solutions"][i]["verdict"][1] for h in hostile)
+        lines.append(f"| (correct) | {case['name']} | {verdicts} |")
+    for key, what in (("cases", "hostile programs"), ("correct_solutions", "correct solutions")):
+        counts = [sum(c["verdict"][1] == "correct" for c in h[key]) for h in hostile]
+        cells = " | ".join(str(n) for n in counts)
+        lines.append(f"| (score) | {what} scored correct, of {len(hostile[0][key])} | {cells} |")
     print("\n".join(lines))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps(results, indent=1))

@@ -12,7 +12,9 @@ The gold (a problem's `answer`, a str) is a JSON object with one of two test for
 The solution is the last ```python (or ```py, or bare ```) fenced block of the response, else the
 whole response. Reward 1.0 when every test passes, else 0.0; status "correct", "wrong" (a test
 failed), "timeout" (the item's wall-clock budget ran out), "error" (syntax error, exception
-outside an assert, a crash or a limit hit; also an unusable gold) or "no_code" (empty solution).
+outside an assert, a crash or a limit hit; also an unusable gold), "no_code" (empty solution) or
+"output_limit" (an io run wrote more than IO_OUTPUT_MB MiB on stdout: what was kept is not
+compared, since a prefix of the right output followed by anything would match it).
 
 Who decides the verdict. A policy under training searches for rewards it can forge, and anything
 that runs in the solution's interpreter can be rewritten by the solution (frames, gc, builtins,
@@ -23,8 +25,18 @@ computes values, and the verdict is made where the solution's code never runs:
   and the comparisons live in one, which never runs the solution's code and whose verdict line
   is the only one read; the solution, with the setup (as before: a solution may lean on its
   imports), runs in the other and answers each call the tests make with a value, strictly
-  serialised plain data of at most a MiB (objects of its own classes, subclasses of builtins
-  included, are refused). It never receives the tests, only each call's arguments. Running the
+  serialised plain data of any size, relayed in 64 KiB pieces (objects of its own classes,
+  subclasses of builtins included, are refused). It never receives the tests, only each call's
+  arguments. Two rules keep a wrong value from passing a test by its shape rather than its
+  value: an exception the solution raises reaches the tests as its nearest builtin error
+  (marked as the solution's, so a test may expect a ValueError), but one that only control flow
+  raises (StopIteration, StopAsyncIteration, GeneratorExit, SystemExit, ...) arrives as a
+  SolutionError that fails the test that made the call even if it catches it, so
+  `all(map(f, xs))` cannot end early on it; and every ordering comparison (<, <=, >, >=)
+  written in the tests or the setup fails its test when an operand is a NaN, which compares
+  False with everything and would pass `not abs(f(x) - y) > 1e-6` as a close value would
+  (equality, `math.isnan` and comparisons made inside library functions, `max` included, are
+  Python's). Running the
   tests' own code apart, rather than parsing `assert f(x) == y` into a call and a value, keeps
   every form of test the data holds (HumanEval's `check(candidate)` with loops and
   `abs(...) < 1e-6`, MBPP's `math.isclose` and `set(...) == set(...)`) under the same guarantee,
@@ -34,7 +46,8 @@ computes values, and the verdict is made where the solution's code never runs:
   `find_zero`), which the test then trusts. What no longer works: a test that needs the
   solution's objects themselves (an instance of its class, an argument it mutates in place) or
   passes a function to it; such an item scores "error".
-* io: the solution's stdout is compared with the expected output here; it never sees it.
+* io: the solution's stdout is compared with the expected output here; it never sees it. At
+  most IO_OUTPUT_MB (16) MiB of it is kept; a longer output scores "output_limit".
 
 Each sandbox also hides the host's files (namespaces mode), so no dataset file can be read to
 learn the expected values (rlvr.verifiers.sandbox). `CodeVerifier` has MathVerifier's interface
@@ -48,6 +61,7 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -57,7 +71,10 @@ from rlvr.verifiers.sandbox import Limits, Sandbox, resolve_mode, run_python
 
 __all__ = ["STATUSES", "CodeVerifier", "extract_code", "parse_gold"]
 
-STATUSES = ("correct", "wrong", "timeout", "error", "no_code")
+STATUSES = ("correct", "wrong", "timeout", "error", "no_code", "output_limit")
+IO_OUTPUT_MB = 16
+"""The most stdout an io case's run may write (MiB): past it the item scores "output_limit",
+never compared as if what was kept were the whole output."""
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -132,6 +149,7 @@ class CodeVerifier(ClosingVerifier):
         self.num_workers = num_workers
         self.timeout = timeout
         self.limits = Limits(memory_mb=memory_limit_mb or 512, cpu_s=max(1, int(timeout) + 1))
+        self._io_limits = replace(self.limits, output_kb=IO_OUTPUT_MB << 10)
         self.mode = mode
         self.unsafe_hook = unsafe_hook
         self._closed = False
@@ -156,7 +174,9 @@ class CodeVerifier(ClosingVerifier):
         )
 
     def _asserts(self, code: str, spec: dict, deadline: float) -> tuple[float, str]:
-        """The verdict of the tests' sandbox, relaying its calls to the solution's sandbox."""
+        """The verdict of the tests' sandbox, relaying messages between it and the solution's:
+        line by line (each at most a piece of a message, rlvr.verifiers.harness.FRAME_PIECE),
+        the solution's names, then each call and its reply, so a value of any size crosses."""
         setup = spec.get("setup", "")
         with (
             self._sandbox(SOLUTION_PROGRAM, deadline) as solution,
@@ -164,24 +184,20 @@ class CodeVerifier(ClosingVerifier):
         ):
             solution.send(_line({"solution": code, "setup": setup}))
             tests.send(_line({"setup": setup, "tests": spec["asserts"]}))
-            names = solution.read_line()  # what the solution defined: the tests' first input
-            if names is None:
-                return _lost(solution)
-            relay = names
+            talker, listener = solution, tests  # the solution's names come first
             while True:
-                if not tests.send(relay + b"\n"):
-                    return _lost(tests)
-                line = tests.read_line()
+                line = talker.read_line()
                 if line is None:
-                    return _lost(tests)
+                    return _lost(talker)
                 word, _, rest = line.partition(b" ")
-                if word == b"verdict":
+                if talker is tests and word == b"verdict":
                     return _VERDICTS.get(rest.split(b" ")[0], (0.0, "error"))
-                if word != b"call" or not solution.send(rest + b"\n"):
-                    return _lost(solution)
-                relay = solution.read_line()
-                if relay is None:
-                    return _lost(solution)
+                if talker is tests and word not in (b"more", b"call"):
+                    return _lost(tests)
+                if not listener.send(line + b"\n"):
+                    return _lost(listener)
+                if word != b"more":  # the message is whole: the other side's turn
+                    talker, listener = listener, talker
 
     def _io_case(self, code: str, case: dict, deadline: float) -> tuple[float, str] | None:
         """A failed io case's score; None when its output is right."""
@@ -189,10 +205,12 @@ class CodeVerifier(ClosingVerifier):
         if remaining <= 0:
             return 0.0, "timeout"
         result = run_python(
-            code, case["input"], remaining, self.limits, self.mode, self.unsafe_hook
+            code, case["input"], remaining, self._io_limits, self.mode, self.unsafe_hook
         )
         if result.timed_out:
             return 0.0, "timeout"
+        if result.stdout_truncated:
+            return 0.0, "output_limit"
         if result.returncode != 0:
             return 0.0, "error"
         if _normalize(result.stdout) != _normalize(case["output"]):

@@ -357,6 +357,8 @@ class SandboxResult:
     seconds: float
     truncated: bool = False
     """The program wrote more than `Limits.output_kb` on stdout or stderr (the rest dropped)."""
+    stdout_truncated: bool = False
+    """The program wrote more than `Limits.output_kb` on stdout: `stdout` is not all of it."""
 
 
 _mode_cache: dict[str, str] = {}
@@ -469,6 +471,7 @@ class Sandbox:
         self.started = time.monotonic()
         self.deadline = self.started + timeout
         self.truncated = False
+        self.stdout_truncated = False
         self._work = tempfile.mkdtemp(prefix="rlvr-sandbox-")
         self._cgroup: MemoryCgroup | None = None
         self._proc: subprocess.Popen | None = None
@@ -582,6 +585,7 @@ class Sandbox:
             kept += chunk[:room]
         if len(chunk) > room:
             self.truncated = True
+            self.stdout_truncated = self.stdout_truncated or fd == self._stdout
 
     def _write(self) -> None:
         try:
@@ -654,6 +658,7 @@ class Sandbox:
             mode=self.mode,
             seconds=time.monotonic() - self.started,
             truncated=self.truncated,
+            stdout_truncated=self.stdout_truncated,
         )
 
     def _kill(self) -> None:

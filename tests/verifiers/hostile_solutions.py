@@ -23,13 +23,75 @@ IO_GOLD = json.dumps({"io": [{"input": "3\n", "output": "10\n"}, {"input": "0\n"
 SECRET_ENV = "RLVR_HOSTILE_GOLD"
 """A variable the test sets in the verifier's own environment to the gold, for the env case."""
 
-RIGHT = {
-    ASSERT_GOLD: "def f(x):\n    return 3 * x + 1\n",
-    STR_GOLD: "def f(s):\n    return s * 2\n",
-    ISCLOSE_GOLD: "def f(x):\n    return 1 / x\n",
-    IO_GOLD: "n = int(input())\nprint(3 * n + 1)\n",
-}
-"""A correct solution per gold."""
+# A test's iteration ends at a StopIteration: each shape passes a solution that raises one.
+ALL_MAP_GOLD = json.dumps({"asserts": ["assert all(map(f, [2, 4, 6]))"]})
+NOT_ANY_FILTER_GOLD = json.dumps({"asserts": ["assert not any(filter(f, [1, 3, 5]))"]})
+SUM_MAP_GOLD = json.dumps({"asserts": ["assert sum(map(f, [1, 3, 5])) == 0"]})
+# NaN compares False with everything: `not (error > tol)` holds for it as for a close value.
+NOT_FAR_GOLD = json.dumps({"asserts": ["assert not abs(f(2) - 4) > 1e-6"]})
+ISNAN_GOLD = json.dumps(
+    {"setup": "import math", "asserts": ["assert math.isnan(f(-1))", "assert f(4) == 2"]}
+)
+BIG_ARGUMENT_GOLD = json.dumps({"asserts": ["assert f(list(range(300000))) == 300000"]})
+"""Arguments that encode to about 2 MB, past a 1 MiB line of the relay."""
+IO_CAP = 1 << 20
+"""The stdout kept of an io run before the cap was raised: outputs sized around it."""
+EXACT_CAP_OUTPUT = "y\n" * (IO_CAP // 2)
+EXACT_CAP_GOLD = json.dumps({"io": [{"input": "", "output": EXACT_CAP_OUTPUT}]})
+LONG_OUTPUT_N = 220000
+LONG_OUTPUT_GOLD = json.dumps(
+    {
+        "io": [
+            {
+                "input": f"{LONG_OUTPUT_N}\n",
+                "output": "".join(f"{i}\n" for i in range(LONG_OUTPUT_N)),
+            }
+        ]
+    }
+)
+"""An io case whose right output is about 1.43 MB."""
+IS_EVEN = "def f(x):\n    return x % 2 == 0\n"
+
+
+@dataclass(frozen=True)
+class Correct:
+    """A correct solution that must score 1: its gold, and what it checks."""
+
+    name: str
+    program: str
+    gold: str
+
+    @property
+    def response(self) -> str:
+        return f"```python\n{self.program}```"
+
+
+CORRECT = [
+    Correct("f(x) = 3x + 1", "def f(x):\n    return 3 * x + 1\n", ASSERT_GOLD),
+    Correct("f(s) = s + s", "def f(s):\n    return s * 2\n", STR_GOLD),
+    Correct("f(x) = 1 / x, math.isclose", "def f(x):\n    return 1 / x\n", ISCLOSE_GOLD),
+    Correct("io: 3n + 1", "n = int(input())\nprint(3 * n + 1)\n", IO_GOLD),
+    Correct("all(map(f, evens))", IS_EVEN, ALL_MAP_GOLD),
+    Correct("not any(filter(f, odds))", IS_EVEN, NOT_ANY_FILTER_GOLD),
+    Correct("sum(map(f, odds)) == 0", IS_EVEN, SUM_MAP_GOLD),
+    Correct("not abs(f(2) - 4) > 1e-6", "def f(x):\n    return x * x\n", NOT_FAR_GOLD),
+    Correct(
+        "a NaN the test asks for with math.isnan",
+        "import math\ndef f(x):\n    return math.sqrt(x) if x >= 0 else float('nan')\n",
+        ISNAN_GOLD,
+    ),
+    Correct(
+        "a 300000-element argument",
+        "def f(xs):\n    return len(xs)\n",
+        BIG_ARGUMENT_GOLD,
+    ),
+    Correct(
+        "io: a 1.43 MB output",
+        "n = int(input())\nprint(''.join(f'{i}\\n' for i in range(n)), end='')\n",
+        LONG_OUTPUT_GOLD,
+    ),
+]
+"""A correct solution per gold, each of the shapes below included."""
 
 WRONG = "def f(x):\n    return 0\n"
 
@@ -551,6 +613,40 @@ def hostile_cases(data_file: str) -> list[Hostile]:
                 "        except (OSError, ValueError, OverflowError):",
                 "            pass",
             ),
+        ),
+        Hostile(
+            "f raises StopIteration inside all(map(f, ...))",
+            "StopIteration",
+            "def f(x):\n    raise StopIteration\n",
+            ALL_MAP_GOLD,
+        ),
+        Hostile(
+            "f raises StopIteration inside not any(filter(f, ...))",
+            "StopIteration",
+            "def f(x):\n    raise StopIteration\n",
+            NOT_ANY_FILTER_GOLD,
+        ),
+        Hostile(
+            "f raises StopIteration inside sum(map(f, ...)) == 0",
+            "StopIteration",
+            "def f(x):\n    raise StopIteration\n",
+            SUM_MAP_GOLD,
+        ),
+        Hostile(
+            "f returns NaN to a test of not (error > tolerance)",
+            "NaN",
+            "def f(x):\n    return float('nan')\n",
+            NOT_FAR_GOLD,
+        ),
+        Hostile(
+            "io: exactly the 1 MiB of right output, then garbage",
+            "output cap",
+            _prog(
+                "import sys",
+                f"sys.stdout.write('y\\n' * {IO_CAP // 2})",
+                "sys.stdout.write('garbage\\n' * 1000)",
+            ),
+            EXACT_CAP_GOLD,
         ),
         Hostile(
             "io: the expected output read from the dataset file",

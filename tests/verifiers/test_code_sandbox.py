@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rlvr.verifiers.code import CodeVerifier, extract_code, parse_gold
+from rlvr.verifiers.code import IO_OUTPUT_MB, CodeVerifier, extract_code, parse_gold
 from rlvr.verifiers.sandbox import Limits, available_mode, run_python
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
@@ -155,6 +155,81 @@ def test_the_tests_run_apart_and_see_only_values(verifier, solution, gold, expec
         1.0 if expected == "correct" else 0.0,
         expected,
     )
+
+
+@pytest.mark.parametrize(
+    ("solution", "gold", "expected"),
+    [
+        # a solution's exception is never the tests' control flow, whatever catches it
+        ("def f(x):\n    raise StopIteration", _gold("assert list(map(f, [1])) == []"), "error"),
+        (
+            "def f(x):\n    raise StopAsyncIteration",
+            _gold("try:\n    f(1)\nexcept Exception:\n    pass"),
+            "error",
+        ),
+        ("def f():\n    raise StopIteration", _gold("assert list(iter(f, 1)) == []"), "error"),
+        (
+            "class Done(StopIteration):\n    pass\ndef f(x):\n    raise Done",
+            _gold("assert not any(map(f, [1, 2]))"),
+            "error",
+        ),
+        # an error of the solution's own class reaches the test as its nearest builtin one
+        (
+            "class Negative(ValueError):\n    pass\ndef f(x):\n    raise Negative(x)",
+            _gold("try:\n    f(-1)\n    raise AssertionError\nexcept ValueError:\n    pass"),
+            "correct",
+        ),
+        # an ordering comparison with NaN fails its test, however the NaN got there
+        (
+            "def f(x):\n    return float('nan')",
+            _gold("assert not math.fabs(f(2) - 4) >= 1e-6", setup="import math"),
+            "wrong",
+        ),
+        (
+            "def f(x):\n    return float('nan')",
+            _gold("assert not (f(1) < 0 or 1 <= f(1) <= 2)"),
+            "wrong",
+        ),
+        (
+            "def f(x):\n    return float('nan')",
+            _gold(
+                "try:\n    far = abs(f(2) - 4) > 1e-6\nexcept ArithmeticError:\n    far = False\n"
+                "assert not far"
+            ),
+            "wrong",
+        ),
+        # NaN stays a value: equality and isnan see it as Python does
+        ("def f(x):\n    return float('nan')", _gold("assert f(1) != f(1)"), "correct"),
+        # values of any size cross, both ways
+        (
+            "def f(n):\n    return list(range(n))",
+            _gold("assert f(300000) == list(range(300000))"),
+            "correct",
+        ),
+        (
+            "def f(s):\n    return s[::-1]",
+            _gold("assert f('ab' * 600000) == 'ba' * 600000"),
+            "correct",
+        ),
+    ],
+)
+def test_solution_exceptions_and_nans_decide_nothing_for_the_tests(
+    verifier, solution, gold, expected
+):
+    assert verifier.verify(f"```python\n{solution}\n```", gold) == (
+        1.0 if expected == "correct" else 0.0,
+        expected,
+    )
+
+
+def test_io_output_is_compared_whole_up_to_the_cap(verifier):
+    """Right output of exactly the cap scores correct; one byte more is `output_limit`, never
+    compared as if it were all the output."""
+    lines = IO_OUTPUT_MB << 19  # "y\n" per line: exactly the cap
+    gold = json.dumps({"io": [{"input": "", "output": "y\n" * lines}]})
+    write = f"import sys\nsys.stdout.write('y\\n' * {lines})\n"
+    assert verifier.verify(write, gold) == (1.0, "correct")
+    assert verifier.verify(write + "sys.stdout.write('z')\n", gold) == (0.0, "output_limit")
 
 
 def test_verify_batch_keeps_order_and_times_out_per_item(verifier):

@@ -13,7 +13,7 @@ from rlvr.verifiers.code import CodeVerifier
 from rlvr.verifiers.sandbox import available_mode
 from tests.verifiers.hostile_solutions import (
     ASSERT_GOLD,
-    RIGHT,
+    CORRECT,
     SECRET_ENV,
     dataset_lines,
     hostile_cases,
@@ -49,6 +49,7 @@ def test_the_suite_covers_every_class_of_trick():
     assert len(CASES) >= 20
     assert {"frames", "gc", "builtins", "stdout", "exit", "BaseException", "comparison"} <= kinds
     assert {"__del__", "signals", "threads", "files", "environment", "argv", "memory"} <= kinds
+    assert {"StopIteration", "NaN", "output cap"} <= kinds
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -67,7 +68,7 @@ def test_the_file_reader_finds_the_gold_where_it_can_see_the_file(tmp_path):
     assert [namespace["f"](x) for x in (1, 0, -2)] == [4, 1, -5]
 
 
-@pytest.mark.parametrize("gold", list(RIGHT))
-def test_a_correct_solution_still_scores_one(gold):
+@pytest.mark.parametrize("right", CORRECT, ids=[c.name for c in CORRECT])
+def test_a_correct_solution_still_scores_one(right):
     with CodeVerifier(num_workers=1, timeout=10.0) as verifier:
-        assert verifier.verify(f"```python\n{RIGHT[gold]}```", gold) == (1.0, "correct")
+        assert verifier.verify(right.response, right.gold) == (1.0, "correct")

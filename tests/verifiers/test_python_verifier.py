@@ -10,7 +10,7 @@ import pytest
 
 from rlvr.verifiers.factory import make_verifier
 from rlvr.verifiers.python import PythonVerifier, check_function, check_rewards
-from tests.verifiers.hostile_solutions import ASSERT_GOLD, RIGHT, hostile_cases
+from tests.verifiers.hostile_solutions import ASSERT_GOLD, CORRECT, hostile_cases
 
 FNS = "tests.verifiers.reward_fns"
 
@@ -116,9 +116,7 @@ def test_a_plugin_that_runs_code_gets_the_sandbox_s_guarantees():
     """A wrong solution that forges its way past an in-process harness scores 0 here too."""
     forged = next(c for c in hostile_cases("/nonexistent") if c.kind == "builtins")
     with PythonVerifier(f"{FNS}:code_in_sandbox", num_workers=1, timeout=30.0) as v:
-        out = v.verify_batch(
-            [f"```python\n{RIGHT[ASSERT_GOLD]}```", forged.response], [ASSERT_GOLD] * 2
-        )
+        out = v.verify_batch([CORRECT[0].response, forged.response], [ASSERT_GOLD] * 2)
     assert out[0] == (1.0, "correct")
     assert out[1][0] == 0.0 and out[1][1] in ("wrong", "error")
 
