@@ -102,7 +102,7 @@ class Sample:
     logprobs: list[float]
     """Log-prob of each sampled token under the distribution it was drawn from: softmax(logits / T)
     renormalised over the top-p nucleus (log_softmax of the raw logits when greedy); a token a
-    stop rule forced has log-prob 0. Both backends return this; the trainer's engine importance
+    stop rule forced has log-prob 0 and its index in `flags` (`stop_rules.FORCED_EOS`). Both backends return this; the trainer's engine importance
     correction compares it with its own log-probs renormalised over the same nucleus
     (`rlvr.algorithms.nucleus`), so that equal weights give a ratio of 1."""
     finish_reason: str

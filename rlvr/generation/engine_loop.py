@@ -129,7 +129,7 @@ class TurnHooks:
 
     def finish(self, token_ids: list[int]) -> tuple[dict[str, Any], list[int] | None]:
         """The sample's flags (the stop rule's, Tandem's counters) and authorship."""
-        flags = self.tracker.flags() if self.tracker is not None else {}
+        flags = self.tracker.flags(len(token_ids)) if self.tracker is not None else {}
         if self.author is None:
             return flags, None
         authorship = self.author.finish(token_ids)

@@ -11,6 +11,10 @@ from typing import Any
 
 from rlvr.generation.base import StopRule
 
+FORCED_EOS = "forced_eos_at"
+"""`Sample.flags` key: the index in the response of the EOS a stop rule forced (absent when none
+was): no distribution drew it, so the trainer's engine importance weight leaves it out."""
+
 
 class StopRuleTracker:
     """Feeds one sample's response tokens to its `StopRule`, each token exactly once, in order.
@@ -40,6 +44,10 @@ class StopRuleTracker:
             self.fired = bool(self.rule.should_stop(prefix))
         return self.fired
 
-    def flags(self) -> dict[str, Any]:
-        """The rule's own report (e.g. DUET's marker / eps_kept / aborted)."""
-        return self.rule.flags()
+    def flags(self, response_length: int) -> dict[str, Any]:
+        """The rule's own report (e.g. DUET's marker / eps_kept / aborted) and, when a token
+        followed its firing (the forced EOS; none when max_tokens came first), `FORCED_EOS`."""
+        flags = dict(self.rule.flags())
+        if self.fired and self.seen < response_length:
+            flags[FORCED_EOS] = self.seen
+        return flags

@@ -13,6 +13,7 @@ is the policy's own certainty of the reference answer, arXiv:2506.13351).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -24,17 +25,18 @@ from rlvr.algorithms.nucleus import nucleus_log_mass
 class TrainBatch:
     """One batch of B sequences of length T (prompt then response, right-padded with the pad id).
 
-    ``response_mask`` is True exactly on response tokens that receive loss (never on prompt or
-    padding tokens). The optional per-sequence ``advantages`` / ``weights`` (``[B]``) and per-token
-    ``old_logp`` / ``ref_logp`` (``[B, T]``, same alignment as the module docstring) are filled in by
-    the caller or by the trainer before the loss. ``rollout_logp`` holds the generation engine's
-    log-prob of each sampled response token (same alignment; 0 elsewhere), for the engine
-    importance correction. A Tandem batch also carries ``authorship``, which the policy turns into
-    its senior-only loss mask. ``filler`` marks rows a data-parallel split added so that every rank
-    holds as many rows (`rlvr.training.data_parallel`): they have no loss token and count in no
-    denominator. ``prompt_lens`` lets rows that share a prompt run it once
-    (`rlvr.training.shared_prefix`). The ``old_*`` fields are the trainer's own record of its
-    old-policy pass (`PolicyTrainer.train_step`), so every update of a step uses the same values.
+        ``response_mask`` is True exactly on response tokens that receive loss (never on prompt or
+        padding tokens). The optional per-sequence ``advantages`` / ``weights`` (``[B]``) and per-token
+        ``old_logp`` / ``ref_logp`` (``[B, T]``, same alignment as the module docstring) are filled in by
+        the caller or by the trainer before the loss. ``rollout_logp`` holds the generation engine's
+        log-prob of each sampled response token (same alignment; 0 elsewhere), for the engine
+        importance correction, and ``forced`` the tokens it did not draw (a stop rule's forced EOS),
+    which that correction leaves out. A Tandem batch also carries ``authorship``, which the policy turns into
+        its senior-only loss mask. ``filler`` marks rows a data-parallel split added so that every rank
+        holds as many rows (`rlvr.training.data_parallel`): they have no loss token and count in no
+        denominator. ``prompt_lens`` lets rows that share a prompt run it once
+        (`rlvr.training.shared_prefix`). The ``old_*`` fields are the trainer's own record of its
+        old-policy pass (`PolicyTrainer.train_step`), so every update of a step uses the same values.
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -45,6 +47,7 @@ class TrainBatch:
     old_logp: torch.Tensor | None = None  # [B, T] float
     ref_logp: torch.Tensor | None = None  # [B, T] float
     rollout_logp: torch.Tensor | None = None  # [B, T] float, the engine's sampled-token log-probs
+    forced: torch.Tensor | None = None  # [B, T] bool, tokens a stop rule forced (no draw)
     authorship: torch.Tensor | None = None  # [B, T] long, Tandem: 1 where the senior wrote
     filler: torch.Tensor | None = None  # [B] bool, rows that only even out data-parallel shards
     prompt_lens: torch.Tensor | None = None  # [B] long, prompt tokens at the start of each row
@@ -131,13 +134,15 @@ def build_batch(
     pad_id: int,
     loss_masks: list[list[bool]] | None = None,
     rollout_logprobs: list[list[float]] | None = None,
+    forced_eos: Sequence[int | None] | None = None,
 ) -> TrainBatch:
     """Pack prompt/response token ids into a right-padded `TrainBatch`.
 
     ``loss_masks[i]`` (one flag per response token) drops response tokens from the loss, e.g. the
     junior's tokens in a Tandem rollout; by default every response token gets loss.
     ``rollout_logprobs[i]`` (one per response token) are the engine's log-probs of the sampled
-    tokens, carried as ``rollout_logp``.
+    tokens, carried as ``rollout_logp``; ``forced_eos[i]``, the index in response i of the EOS a
+    stop rule forced (None: none was), marks it in ``forced``.
     """
     if not prompts:
         raise ValueError("empty batch")
@@ -156,6 +161,7 @@ def build_batch(
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     response_mask = torch.zeros((n, width), dtype=torch.bool)
     rollout_logp = None if rollout_logprobs is None else torch.zeros((n, width))
+    forced = None if forced_eos is None else torch.zeros((n, width), dtype=torch.bool)
     for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
         p, r = len(prompt), len(response)
         input_ids[i, : p + r] = torch.tensor(prompt + response, dtype=torch.long)
@@ -174,11 +180,16 @@ def build_batch(
                     f"log-prob row {i} has {len(rollout_logprobs[i])} values for {r} response tokens"
                 )
             rollout_logp[i, p : p + r] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
+        if forced is not None and forced_eos[i] is not None:
+            if not 0 <= forced_eos[i] < r:
+                raise ValueError(f"forced EOS at {forced_eos[i]} in response {i} of {r} tokens")
+            forced[i, p + forced_eos[i]] = True
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         response_mask=response_mask,
         rollout_logp=rollout_logp,
+        forced=forced,
         prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
     )
 

@@ -17,6 +17,7 @@ import torch
 
 from rlvr.algorithms.grpo import engine_is_weights
 from rlvr.generation.base import GenerationResult
+from rlvr.generation.stop_rules import FORCED_EOS
 from rlvr.training.batch import TrainBatch, build_batch, token_logprobs, token_nucleus_log_mass
 
 
@@ -28,6 +29,7 @@ def results_batch(results: Sequence[GenerationResult], pad_id: int) -> TrainBatc
         [s.token_ids for _, s in samples],
         pad_id,
         rollout_logprobs=[s.logprobs for _, s in samples],
+        forced_eos=[s.flags.get(FORCED_EOS) for _, s in samples],
     )
 
 
@@ -58,8 +60,10 @@ def trainer_logprobs(
 def mismatch(batch: TrainBatch, logp: torch.Tensor, cap: float = 2.0) -> dict[str, float]:
     """The engine/trainer ratio statistics of `grpo.engine_is_weights` plus the largest absolute
     log-prob difference, over the response tokens the engine sampled."""
-    _, stats = engine_is_weights(logp, batch.rollout_logp, batch.response_mask, "tis", cap)
-    compared = batch.response_mask & (batch.rollout_logp != 0)
+    _, stats = engine_is_weights(
+        logp, batch.rollout_logp, batch.response_mask, "tis", cap, forced=batch.forced
+    )
+    compared = batch.response_mask if batch.forced is None else batch.response_mask & ~batch.forced
     diff = (logp - batch.rollout_logp).abs()
     out = {key: float(value) for key, value in stats.items()}
     out["max_abs_logp_diff"] = float(torch.where(compared, diff, 0.0).max())

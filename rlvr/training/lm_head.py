@@ -35,7 +35,8 @@ class TokenStats(NamedTuple):
     """log-prob (no grad) under p_T truncated to its top-p nucleus and renormalised, the
     distribution the engine samples from (`nucleus.nucleus_log_mass`), when asked."""
     outside: torch.Tensor | None = None
-    """bool: the token lay outside that nucleus (it joined it for `nucleus_logp`)."""
+    """bool: the token lay outside that nucleus (probability 0 there; `nucleus_logp` is then
+    meaningless and the engine importance weight 0)."""
 
 
 def causal_lm(model: Any) -> Any:

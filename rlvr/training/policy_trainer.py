@@ -535,6 +535,7 @@ class PolicyTrainer:
                     self.engine_is,
                     self.engine_is_cap,
                     outside=outside,
+                    forced=mb.forced,
                 )
                 if engine is not None:
                     engine.add(engine_stats)

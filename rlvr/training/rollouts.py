@@ -15,6 +15,7 @@ import numpy as np
 
 from rlvr.algorithms.groups import group_rows
 from rlvr.generation.base import GenerationResult
+from rlvr.generation.stop_rules import FORCED_EOS
 
 
 @dataclass
@@ -73,6 +74,11 @@ class Rollouts:
     def engine_logprobs(self) -> list[list[float]] | None:
         """`logprobs` for `build_batch`, or None when the rollouts carry none."""
         return self.logprobs if len(self.logprobs) == len(self) else None
+
+    @property
+    def forced_eos(self) -> list[int | None]:
+        """Per rollout, the index of the EOS a stop rule forced (`FORCED_EOS`), None if none."""
+        return [f.get(FORCED_EOS) for f in self.flags]
 
     def __len__(self) -> int:
         return len(self.group_ids)

@@ -259,24 +259,30 @@ def test_kl_loss_aggregates_like_the_policy_loss():
 
 
 def test_engine_is_weights_tis_mask_and_stats():
-    # rho = exp(old - rollout): 1.5, 3.0 (past the cap 2), 0.5; the 4th token is a forced EOS
-    # (engine log-prob 0) and the 5th is outside the mask.
-    old = torch.log(torch.tensor([[0.3, 0.6, 0.1, 0.2, 0.9]]))
-    rollout = torch.log(torch.tensor([[0.2, 0.2, 0.2, 1.0, 0.1]]))
-    mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
-    w, stats = engine_is_weights(old, rollout, mask, "tis", cap=2.0)
-    torch.testing.assert_close(w, torch.tensor([[1.5, 2.0, 0.5, 1.0, 1.0]]))
-    w, _ = engine_is_weights(old, rollout, mask, "mask", cap=2.0)
-    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0, 1.0, 1.0, 1.0]]))
-    w, _ = engine_is_weights(old, rollout, mask, "off", cap=2.0)
+    # rho = exp(old - rollout): 1.5, 3.0 (past the cap 2), 0.5; the 4th token is a stop rule's
+    # forced EOS, the 5th a one-token nucleus of the engine (log-prob 0) that pi_old gives 0.5,
+    # the 6th lies outside pi_old's nucleus (rho 0) and the 7th outside the mask.
+    old = torch.log(torch.tensor([[0.3, 0.6, 0.1, 0.2, 0.5, 0.4, 0.9]]))
+    rollout = torch.log(torch.tensor([[0.2, 0.2, 0.2, 1.0, 1.0, 0.4, 0.1]]))
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    forced = torch.tensor([[0, 0, 0, 1, 0, 0, 0]], dtype=torch.bool)
+    outside = torch.tensor([[0, 0, 0, 0, 0, 1, 0]], dtype=torch.bool)
+    w, stats = engine_is_weights(old, rollout, mask, "tis", 2.0, outside, forced)
+    torch.testing.assert_close(w, torch.tensor([[1.5, 2.0, 0.5, 1.0, 0.5, 0.0, 1.0]]))
+    w, _ = engine_is_weights(old, rollout, mask, "mask", 2.0, outside, forced)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]]))
+    w, _ = engine_is_weights(old, rollout, mask, "off", 2.0, outside, forced)
     assert torch.equal(w, torch.ones_like(w))
     # float32 log/exp round trips: a few ulps of 3.0
-    assert stats["engine_ratio_mean"].item() == pytest.approx((1.5 + 3.0 + 0.5) / 3, rel=1e-6)
+    ratios = (1.5, 3.0, 0.5, 0.5, 0.0)
+    assert stats["engine_ratio_mean"].item() == pytest.approx(sum(ratios) / 5, rel=1e-6)
     assert stats["engine_ratio_max"].item() == pytest.approx(3.0, rel=1e-6)
-    assert stats["engine_capped_frac"].item() == pytest.approx(1 / 3)
-    kl = -(math.log(1.5) + math.log(3.0) + math.log(0.5)) / 3
+    assert stats["engine_capped_frac"].item() == pytest.approx(1 / 5)
+    # the KL over the tokens inside pi_old's nucleus (outside, log rho is -inf)
+    kl = -sum(math.log(r) for r in ratios[:4]) / 4
     assert stats["engine_kl"].item() == pytest.approx(kl, rel=1e-5)
-    assert stats["engine_tokens"].item() == 3
+    assert stats["engine_outside_frac"].item() == pytest.approx(1 / 5)
+    assert stats["engine_tokens"].item() == 5
     with pytest.raises(ValueError, match="one of"):
         engine_is_weights(old, rollout, mask, "clip")
     with pytest.raises(ValueError, match="cap"):

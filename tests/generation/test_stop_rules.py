@@ -1,6 +1,7 @@
-"""StopRuleTracker: each response token reaches the rule once, in order, and a stop is latched."""
+"""StopRuleTracker: each response token reaches the rule once, in order, a stop is latched, and
+the EOS it forced is flagged."""
 
-from rlvr.generation.stop_rules import StopRuleTracker
+from rlvr.generation.stop_rules import FORCED_EOS, StopRuleTracker
 
 
 def test_one_call_per_new_token(stop_after):
@@ -32,3 +33,12 @@ def test_length_excludes_placeholders(stop_after):
     assert rule.shown == [1]
     assert tracker.observe([7, 8], length=2)
     assert rule.shown == [1, 2]
+
+
+def test_the_forced_eos_is_flagged_where_it_follows_the_firing(stop_after):
+    tracker = StopRuleTracker(stop_after(2), eos_token_id=2)
+    assert not tracker.observe([7])
+    assert FORCED_EOS not in tracker.flags(1)
+    assert tracker.observe([7, 8])
+    assert FORCED_EOS not in tracker.flags(2)  # max_tokens ended it before EOS could be forced
+    assert tracker.flags(3)[FORCED_EOS] == 2  # the response's 3rd token, EOS, was forced

@@ -57,3 +57,13 @@ def test_token_logprobs_alignment():
     expected = torch.log(torch.tensor([[1.0, 0.25, 0.8]]))
     assert torch.allclose(out, expected, atol=1e-6)
     assert out[0, 0] == 0.0
+
+
+def test_a_forced_eos_is_marked_at_its_position():
+    batch = build_batch([[1, 2], [3]], [[4, 5, 2], [6, 2]], pad_id=0, forced_eos=[2, None])
+    assert batch.forced.tolist() == [
+        [False, False, False, False, True],
+        [False, False, False, False, False],
+    ]
+    with pytest.raises(ValueError, match="forced EOS"):
+        build_batch([[1]], [[4, 2]], pad_id=0, forced_eos=[2])

@@ -86,6 +86,7 @@ def engine_is_weights(
     mode: str = "tis",
     cap: float = 2.0,
     outside: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token weights correcting the engine/trainer mismatch: rho = exp(old_logp - rollout_logp).
 
@@ -94,30 +95,39 @@ def engine_is_weights(
     OpenRLHF), "mask" keeps rho <= cap at weight 1 and drops the rest (weight 0, still counted in
     the loss's denominator), "off" weights 1. `old_logp` must be pi_old's log-prob under the
     distribution the engine sampled from (its top-p nucleus included), so that identical weights
-    give rho = 1. A token the engine gave probability 1 (rollout_logp == 0: a stop rule's forced
-    EOS, or a one-token nucleus) was not drawn from a distribution the trainer models; it keeps
-    weight 1 and stays out of the statistics. `outside` (`[batch, seq]` bool) marks tokens
-    sampled outside pi_old's own nucleus, weighted as if it held them (`nucleus_log_mass`).
+    give rho = 1; a token the engine drew from a one-token nucleus (rollout_logp 0) is weighted
+    like any other. `forced` (`[batch, seq]` bool) marks tokens no distribution drew (a stop
+    rule's forced EOS): they keep weight 1 and stay out of the statistics.
+
+    `outside` (`[batch, seq]` bool) marks tokens outside pi_old's own top-p nucleus
+    (`nucleus.nucleus_log_mass`). pi_old's truncated distribution gives them probability 0, so
+    rho is 0 and their weight 0 in both "tis" and "mask": the importance weight of a draw the
+    target cannot make (Owen, Monte Carlo theory, ch. 9), what IcePop's and masked importance
+    sampling's masks give a token whose ratio leaves the trust band. With identical weights no
+    token is outside (the nucleus is vLLM's own); under staleness the share grows.
 
     Returns detached weights `[batch, seq]` (1 outside `mask`) and 0-dim stats over the compared
-    tokens: engine_ratio_mean / engine_ratio_max (rho), engine_capped_frac (rho > cap),
-    engine_kl, the k1 estimate of KL(mu || pi_old) = E_mu[rollout_logp - old_logp], and
-    engine_outside_frac (the share of `outside` tokens).
+    tokens (`mask` and not `forced`): engine_ratio_mean / engine_ratio_max (rho),
+    engine_capped_frac (rho > cap), engine_kl, the k1 estimate of KL(mu || pi_old) =
+    E_mu[rollout_logp - old_logp] over the compared tokens inside pi_old's nucleus (outside it
+    log rho is -inf), and engine_outside_frac (the share of `outside` tokens).
     """
     if mode not in ENGINE_IS_MODES:
         raise ValueError(f"engine importance mode must be one of {ENGINE_IS_MODES}, got {mode!r}")
     if not cap >= 1.0:
         raise ValueError(f"the importance cap must be >= 1, got {cap}")
     with torch.no_grad():
-        compared = mask.bool() & (rollout_logp != 0)
+        compared = mask.bool() if forced is None else mask.bool() & ~forced
+        out = torch.zeros_like(compared) if outside is None else outside & compared
+        inside = compared & ~out
         zeros = torch.zeros_like(old_logp)
-        log_rho = torch.where(compared, old_logp - rollout_logp, zeros)
-        rho = torch.exp(log_rho)
+        log_rho = torch.where(inside, old_logp - rollout_logp, zeros)
+        rho = torch.where(out, zeros, torch.exp(log_rho))
         capped = compared & (rho > cap)
         if mode == "tis":
             weights = torch.where(compared, rho.clamp(max=cap), torch.ones_like(rho))
         elif mode == "mask":
-            weights = (~capped).to(old_logp.dtype)
+            weights = (~(capped | out)).to(old_logp.dtype)
         else:
             weights = torch.ones_like(rho)
         stats = {
@@ -126,10 +136,8 @@ def engine_is_weights(
                 compared.any(), torch.where(compared, rho, zeros).max(), 1.0
             ),
             "engine_capped_frac": masked_mean(capped.to(old_logp.dtype), compared),
-            "engine_kl": masked_mean(-log_rho, compared),
-            "engine_outside_frac": zeros.sum()
-            if outside is None
-            else masked_mean(outside.to(old_logp.dtype), compared),
+            "engine_kl": masked_mean(-log_rho, inside),
+            "engine_outside_frac": masked_mean(out.to(old_logp.dtype), compared),
             "engine_tokens": compared.sum().to(old_logp.dtype),
         }
     return weights, stats

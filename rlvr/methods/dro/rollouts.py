@@ -209,6 +209,7 @@ def dro_batch(
         pad_id,
         loss_masks=masks,
         rollout_logprobs=None if engine is None else [engine[i] for i in rows],
+        forced_eos=[rollouts.forced_eos[i] for i in rows],
     )
     batch.advantages = torch.as_tensor(advantages[rows], dtype=torch.float32)
     stats = {

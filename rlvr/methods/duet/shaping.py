@@ -35,6 +35,7 @@ def shape_duet(
         pad_id,
         loss_masks=masks,
         rollout_logprobs=rollouts.engine_logprobs,
+        forced_eos=rollouts.forced_eos,
     )
     batch.advantages = torch.as_tensor(weighted, dtype=torch.float32)
     stats = {

@@ -31,6 +31,7 @@ def shape_grpo(
         pad_id,
         loss_masks=rollouts.loss_masks,
         rollout_logprobs=rollouts.engine_logprobs,
+        forced_eos=rollouts.forced_eos,
     )
     batch.advantages = torch.as_tensor(np.asarray(adv), dtype=torch.float32)
     stats = {
