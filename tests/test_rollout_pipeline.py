@@ -5,6 +5,7 @@ methods and layouts where generation can overlap training."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from workflows.rollout_pipeline import (
     PIPELINE_FILE,
     PipelineClosed,
     RolloutPipeline,
+    SnapshotFeed,
     partial_versions,
     sampling_version,
 )
@@ -191,6 +193,43 @@ def test_snapshots_are_released_once_no_batch_needs_them():
         pipe.fill(4)  # steps 4 and 5, of versions 3 and 4
         pipe.collected_before(5)
         assert sorted(pipe.feed.snapshots) == [4]  # step 5 loaded 4, the policy's own
+
+
+def test_publishing_while_the_pipeline_releases_snapshots_is_safe():
+    """The driver publishes (inserts a snapshot) while the pipeline thread releases old ones
+    (iterates them). Switching threads every microsecond makes an unguarded insert land inside
+    the iteration on almost every try ("dictionary changed size during iteration")."""
+    feed = SnapshotFeed(SnapshotSync())
+    for version in range(2000):  # a long dict: each release iterates it for a while
+        feed.publish(version, None)
+    published = threading.Event()
+    errors: list[BaseException] = []
+    releases = 0
+
+    def release() -> None:
+        nonlocal releases
+        while not published.is_set():
+            try:
+                feed.release_before(0)  # iterates every snapshot, releases none
+            except RuntimeError as err:
+                errors.append(err)
+                return
+            releases += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    releaser = threading.Thread(target=release)
+    try:
+        releaser.start()
+        for version in range(2000, 12000):
+            feed.publish(version, None)
+    finally:
+        published.set()
+        releaser.join(timeout=10)
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert releases > 0, "the releases never overlapped the publishing"
+    assert sorted(feed.snapshots) == list(range(12000))
 
 
 def test_a_plan_that_differs_from_what_was_collected_fails():

@@ -139,6 +139,9 @@ class SnapshotFeed:
         self.sync = sync
         self.board = board
         self.versions = _Versions()
+        # the driver publishes while the pipeline thread loads and releases: every access to
+        # `snapshots` holds `_lock` (`loaded` changes only with the pipeline's engines held)
+        self._lock = threading.Lock()
         self.snapshots: dict[int, Any] = {}
         self.loaded: int | None = None
 
@@ -147,9 +150,11 @@ class SnapshotFeed:
         self.publish(version, step)
 
     def publish(self, version: int, step: int | None) -> None:
-        self.snapshots[version] = self.sync.export(step)
+        snapshot = self.sync.export(step)
+        with self._lock:
+            self.snapshots[version] = snapshot
         if self.board is not None:
-            self.board.run("post", version, [self.snapshots[version]], step=step)
+            self.board.run("post", version, [snapshot], step=step)
         self.versions.set(version)
 
     def wait_for(self, version: int, closed: threading.Event) -> None:
@@ -157,12 +162,15 @@ class SnapshotFeed:
 
     def load(self, version: int, step: int | None) -> None:
         if self.loaded != version:
-            self.sync.load(self.snapshots[version], step)
+            with self._lock:
+                snapshot = self.snapshots[version]
+            self.sync.load(snapshot, step)
             self.loaded = version
 
     def release_before(self, version: int) -> None:
-        for old in [v for v in self.snapshots if v < version]:
-            del self.snapshots[old]
+        with self._lock:
+            for old in [v for v in self.snapshots if v < version]:
+                del self.snapshots[old]
         if self.board is not None:
             self.board.run("release_before", version)
 
