@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from rlvr.config import Config, apply_overrides, load_config
+from rlvr.config import Config, apply_overrides, load_config, override_keys
 from rlvr.serving.config import ServeConfig, load_serve_config
 from workflows.cli import DEMO_CONFIG, build_parser
 
@@ -181,12 +181,15 @@ def test_readme_names_existing_files():
 
 def test_readme_override_examples_name_real_keys():
     """Inline `a.b=c` examples (e.g. `algorithm.duet.allocate=false`) name existing keys: of the
-    training config, or of the serve config for its own sections (e.g. `http.`)."""
+    training config (the keys `--set` accepts; every method's section is among them), or of the
+    serve config for its own sections (e.g. `http.`). Only the keys: an inline example is a
+    fragment of a config, which alone need not validate."""
     examples = re.findall(r"`([a-z_]+(?:\.[a-z_0-9]+)+=[^`\s]+)`", README)
     assert examples
     serve_only = set(ServeConfig.model_fields) - set(Config.model_fields)
     serve = [e for e in examples if e.split(".")[0] in serve_only]
-    apply_overrides({}, [e for e in examples if e not in serve])
+    training = [e for e in examples if e not in serve]
+    apply_overrides({}, training, known=override_keys("grpo"))
     load_serve_config(None, serve)
 
 
