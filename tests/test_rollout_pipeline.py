@@ -24,9 +24,11 @@ from workflows.rollout_pipeline import (
     PipelineClosed,
     RolloutPipeline,
     SnapshotFeed,
+    failed_ahead,
     partial_versions,
     sampling_version,
 )
+from workflows.workers import ActorFailure
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"Compute {i} + 1.", answer=str(i + 1)) for i in range(3)]
@@ -70,8 +72,17 @@ class RecordingMethod:
     """`collect` records the step, the thread and the version the engines held; the steps in
     `held` wait for `release`."""
 
-    def __init__(self, sync, fail_at: int | None = None, events: list | None = None):
+    def __init__(
+        self,
+        sync,
+        fail_at: int | None = None,
+        events: list | None = None,
+        error: Exception | None = None,
+    ):
+        """`error` (default: a RuntimeError "engine lost") is raised by step `fail_at`'s
+        collection."""
         self.sync, self.fail_at = sync, fail_at
+        self.error = error or RuntimeError("engine lost")
         self.calls: dict[int, dict] = {}
         self.held: set[int] = set()
         self.release = threading.Event()
@@ -81,7 +92,7 @@ class RecordingMethod:
         if step in self.held:
             assert self.release.wait(timeout=10)
         if step == self.fail_at:
-            raise RuntimeError("engine lost")
+            raise self.error
         self.calls[step] = {
             "plan": plan,
             "params": params,
@@ -247,6 +258,33 @@ def test_an_error_of_the_collection_surfaces_on_take():
             pipe.take(1, PLAN)
 
 
+LOST = "GeneratorActor 1 failed at step 3: RayActorError: The actor died unexpectedly"
+
+
+def test_a_failure_sampled_ahead_names_the_batch_s_step_and_the_training_step():
+    err = failed_ahead(ActorFailure(LOST, lost=True), batch_step=3, training_step=1)
+    assert str(err) == f"{LOST} (step 3's rollouts, sampled ahead during training step 1)"
+    assert isinstance(err, ActorFailure) and err.lost  # still recovered as a lost actor
+    assert not failed_ahead(ActorFailure(LOST), batch_step=3, training_step=1).lost
+
+
+def test_a_lost_engine_sampling_ahead_surfaces_at_the_checkpoint_naming_both_steps(tmp_path):
+    """k = 2: step 3's batch (version 1) is collected during step 1; its lost engine surfaces
+    when step 1's checkpoint waits for it."""
+    with pipeline(2, fail_at=3, error=ActorFailure(LOST, lost=True)) as (pipe, _, sync):
+        for step in range(2):
+            train_step(pipe, sync, step)
+        with pytest.raises(ActorFailure) as failure:
+            pipe.save(tmp_path, version=2)
+    assert failure.value.lost
+    assert str(failure.value).endswith("(step 3's rollouts, sampled ahead during training step 1)")
+    with pipeline(1, fail_at=1, error=ActorFailure(LOST, lost=True)) as (pipe, _, sync):
+        train_step(pipe, sync, 0)
+        pipe.fill(1)
+        with pytest.raises(ActorFailure, match=f"^{LOST}$"):  # taken at its own step
+            pipe.take(1, PLAN)
+
+
 def test_close_ends_a_batch_waiting_for_its_version():
     with pipeline(1) as (pipe, _, _sync):
         pipe.fill(0)
@@ -395,7 +433,7 @@ def test_partial_batches_begin_on_their_versions_and_post_every_snapshot():
     pipe.start(sync, None, 0)
     try:
         pipe.fill(0)
-        assert pipe.batches[0].finish() is None and pipe.batches[0].times == {
+        assert pipe.batches[0].finish(0) is None and pipe.batches[0].times == {
             "time_generate": 1.5,
             "time_wait_version": 0.25,
         }
