@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import re
 import runpy
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from rlvr.config import Config, apply_overrides, load_config
+from rlvr.config import Config, apply_overrides, load_config, override_keys
 from rlvr.serving.config import ServeConfig, load_serve_config
 from workflows.cli import DEMO_CONFIG, build_parser
 
@@ -33,6 +35,9 @@ README = "\n".join(page.read_text() for page in PAGES)
 """Every page's text, as one: each check below holds for all of them."""
 BLOCKS = re.findall(r"```bash\n(.*?)```", README, re.S)
 PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+DEMO_BENCH = ROOT / "bench" / "out" / "staleness-smollm2" / "staleness.json"
+"""The committed runs of the demo's preset (configs/smollm2-arith.yaml) that the pages quote."""
+DEMO_PAGES = ["README.md", "docs/index.md", "docs/quickstart.md"]
 REPO_PATH = re.compile(r"\b(?:configs|bench|notebooks)/[\w.-]+\.\w+")
 ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
@@ -181,12 +186,15 @@ def test_readme_names_existing_files():
 
 def test_readme_override_examples_name_real_keys():
     """Inline `a.b=c` examples (e.g. `algorithm.duet.allocate=false`) name existing keys: of the
-    training config, or of the serve config for its own sections (e.g. `http.`)."""
+    training config (the keys `--set` accepts; every method's section is among them), or of the
+    serve config for its own sections (e.g. `http.`). Only the keys: an inline example is a
+    fragment of a config, which alone need not validate."""
     examples = re.findall(r"`([a-z_]+(?:\.[a-z_0-9]+)+=[^`\s]+)`", README)
     assert examples
     serve_only = set(ServeConfig.model_fields) - set(Config.model_fields)
     serve = [e for e in examples if e.split(".")[0] in serve_only]
-    apply_overrides({}, [e for e in examples if e not in serve])
+    training = [e for e in examples if e not in serve]
+    apply_overrides({}, training, known=override_keys("grpo"))
     load_serve_config(None, serve)
 
 
@@ -250,3 +258,29 @@ def test_readme_is_a_front_page():
     assert len(readme.splitlines()) <= 150
     for link in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (ROOT / link).exists(), link
+
+
+def demo_figures() -> list[str]:
+    """The demo's figures as the pages word them, read from `DEMO_BENCH`'s k = 0 runs (the
+    demo's own setting, stopped early): its steps, held-out accuracy before training (one model
+    whatever the seed) and the seeds' range after, and the median step in whole seconds."""
+    runs = json.loads(DEMO_BENCH.read_text())["0"]
+    [before] = {r["eval_accuracy_before"] for r in runs}
+    after = sorted(r["eval_accuracy"] for r in runs)
+    seeds = sorted(r["seed"] for r in runs)
+    [steps] = {len(r["staleness"]) for r in runs}  # one token staleness per step
+    step_s = statistics.median(r["time_step"] for r in runs)
+    return [
+        f"stopped at {steps} steps",
+        f"from {before:.3f} to {after[0]:.3f}-{after[-1]:.3f} over seeds {seeds[0]}-{seeds[-1]}",
+        f"about {step_s:.0f} s a step",
+    ]
+
+
+@pytest.mark.parametrize("page", DEMO_PAGES)
+def test_demo_figures_are_the_committed_bench_s(page):
+    """Each page's demo figures are those of the committed bench it names, not a run's memory."""
+    text = " ".join((ROOT / page).read_text().split())
+    assert DEMO_BENCH.relative_to(ROOT).as_posix() in text
+    for figure in demo_figures():
+        assert figure in text, f"{page} does not quote {figure!r} ({DEMO_BENCH.name})"

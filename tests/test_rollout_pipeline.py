@@ -5,6 +5,7 @@ methods and layouts where generation can overlap training."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,9 +23,12 @@ from workflows.rollout_pipeline import (
     PIPELINE_FILE,
     PipelineClosed,
     RolloutPipeline,
+    SnapshotFeed,
+    failed_ahead,
     partial_versions,
     sampling_version,
 )
+from workflows.workers import ActorFailure
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROBLEMS = [Problem(id=f"p{i}", prompt=f"Compute {i} + 1.", answer=str(i + 1)) for i in range(3)]
@@ -68,8 +72,17 @@ class RecordingMethod:
     """`collect` records the step, the thread and the version the engines held; the steps in
     `held` wait for `release`."""
 
-    def __init__(self, sync, fail_at: int | None = None, events: list | None = None):
+    def __init__(
+        self,
+        sync,
+        fail_at: int | None = None,
+        events: list | None = None,
+        error: Exception | None = None,
+    ):
+        """`error` (default: a RuntimeError "engine lost") is raised by step `fail_at`'s
+        collection."""
         self.sync, self.fail_at = sync, fail_at
+        self.error = error or RuntimeError("engine lost")
         self.calls: dict[int, dict] = {}
         self.held: set[int] = set()
         self.release = threading.Event()
@@ -79,7 +92,7 @@ class RecordingMethod:
         if step in self.held:
             assert self.release.wait(timeout=10)
         if step == self.fail_at:
-            raise RuntimeError("engine lost")
+            raise self.error
         self.calls[step] = {
             "plan": plan,
             "params": params,
@@ -193,6 +206,43 @@ def test_snapshots_are_released_once_no_batch_needs_them():
         assert sorted(pipe.feed.snapshots) == [4]  # step 5 loaded 4, the policy's own
 
 
+def test_publishing_while_the_pipeline_releases_snapshots_is_safe():
+    """The driver publishes (inserts a snapshot) while the pipeline thread releases old ones
+    (iterates them). Switching threads every microsecond makes an unguarded insert land inside
+    the iteration on almost every try ("dictionary changed size during iteration")."""
+    feed = SnapshotFeed(SnapshotSync())
+    for version in range(2000):  # a long dict: each release iterates it for a while
+        feed.publish(version, None)
+    published = threading.Event()
+    errors: list[BaseException] = []
+    releases = 0
+
+    def release() -> None:
+        nonlocal releases
+        while not published.is_set():
+            try:
+                feed.release_before(0)  # iterates every snapshot, releases none
+            except RuntimeError as err:
+                errors.append(err)
+                return
+            releases += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    releaser = threading.Thread(target=release)
+    try:
+        releaser.start()
+        for version in range(2000, 12000):
+            feed.publish(version, None)
+    finally:
+        published.set()
+        releaser.join(timeout=10)
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert releases > 0, "the releases never overlapped the publishing"
+    assert sorted(feed.snapshots) == list(range(12000))
+
+
 def test_a_plan_that_differs_from_what_was_collected_fails():
     with pipeline(1) as (pipe, _, _sync):
         pipe.fill(0)
@@ -205,6 +255,33 @@ def test_an_error_of_the_collection_surfaces_on_take():
         train_step(pipe, sync, 0)
         pipe.fill(1)
         with pytest.raises(RuntimeError, match="engine lost"):
+            pipe.take(1, PLAN)
+
+
+LOST = "GeneratorActor 1 failed at step 3: RayActorError: The actor died unexpectedly"
+
+
+def test_a_failure_sampled_ahead_names_the_batch_s_step_and_the_training_step():
+    err = failed_ahead(ActorFailure(LOST, lost=True), batch_step=3, training_step=1)
+    assert str(err) == f"{LOST} (step 3's rollouts, sampled ahead during training step 1)"
+    assert isinstance(err, ActorFailure) and err.lost  # still recovered as a lost actor
+    assert not failed_ahead(ActorFailure(LOST), batch_step=3, training_step=1).lost
+
+
+def test_a_lost_engine_sampling_ahead_surfaces_at_the_checkpoint_naming_both_steps(tmp_path):
+    """k = 2: step 3's batch (version 1) is collected during step 1; its lost engine surfaces
+    when step 1's checkpoint waits for it."""
+    with pipeline(2, fail_at=3, error=ActorFailure(LOST, lost=True)) as (pipe, _, sync):
+        for step in range(2):
+            train_step(pipe, sync, step)
+        with pytest.raises(ActorFailure) as failure:
+            pipe.save(tmp_path, version=2)
+    assert failure.value.lost
+    assert str(failure.value).endswith("(step 3's rollouts, sampled ahead during training step 1)")
+    with pipeline(1, fail_at=1, error=ActorFailure(LOST, lost=True)) as (pipe, _, sync):
+        train_step(pipe, sync, 0)
+        pipe.fill(1)
+        with pytest.raises(ActorFailure, match=f"^{LOST}$"):  # taken at its own step
             pipe.take(1, PLAN)
 
 
@@ -356,7 +433,7 @@ def test_partial_batches_begin_on_their_versions_and_post_every_snapshot():
     pipe.start(sync, None, 0)
     try:
         pipe.fill(0)
-        assert pipe.batches[0].finish() is None and pipe.batches[0].times == {
+        assert pipe.batches[0].finish(0) is None and pipe.batches[0].times == {
             "time_generate": 1.5,
             "time_wait_version": 0.25,
         }

@@ -40,7 +40,7 @@ from actors.versions import BOARD_THREADS, VersionBoard
 from rlvr.generation.base import SamplingParams
 from rlvr.methods.base import Collected, Method, StepServices
 from rlvr.tasks.base import Problem
-from workflows.workers import Worker
+from workflows.workers import ActorFailure, Worker
 
 PIPELINE_FILE = "pipeline.pkl"
 
@@ -75,14 +75,30 @@ class Batch:
     collected: Collected | None = None
     future: Future | None = None
 
-    def finish(self) -> None:
-        """Wait for the collection (re-raising its error) and keep its result."""
+    def finish(self, training_step: int) -> None:
+        """Wait for the collection and keep its result; re-raises its error, an actor's naming
+        `training_step` (the step the driver is at) too when the batch was sampled ahead."""
         if self.future is not None:
-            self.collected, self.future = self.future.result(), None
+            try:
+                collected = self.future.result()
+            except ActorFailure as err:
+                if self.step == training_step:
+                    raise
+                raise failed_ahead(err, self.step, training_step) from err
+            self.collected, self.future = collected, None
 
     @property
     def done(self) -> bool:
         return self.future is None or self.future.done()
+
+
+def failed_ahead(err: ActorFailure, batch_step: int, training_step: int) -> ActorFailure:
+    """`err` of step `batch_step`'s collection, surfacing during step `training_step`: the same
+    failure (`lost` kept, so a lost engine is still recovered), its message naming both steps."""
+    return ActorFailure(
+        f"{err} (step {batch_step}'s rollouts, sampled ahead during training step {training_step})",
+        lost=err.lost,
+    )
 
 
 class VersionFeed(Protocol):
@@ -139,6 +155,9 @@ class SnapshotFeed:
         self.sync = sync
         self.board = board
         self.versions = _Versions()
+        # the driver publishes while the pipeline thread loads and releases: every access to
+        # `snapshots` holds `_lock` (`loaded` changes only with the pipeline's engines held)
+        self._lock = threading.Lock()
         self.snapshots: dict[int, Any] = {}
         self.loaded: int | None = None
 
@@ -147,9 +166,11 @@ class SnapshotFeed:
         self.publish(version, step)
 
     def publish(self, version: int, step: int | None) -> None:
-        self.snapshots[version] = self.sync.export(step)
+        snapshot = self.sync.export(step)
+        with self._lock:
+            self.snapshots[version] = snapshot
         if self.board is not None:
-            self.board.run("post", version, [self.snapshots[version]], step=step)
+            self.board.run("post", version, [snapshot], step=step)
         self.versions.set(version)
 
     def wait_for(self, version: int, closed: threading.Event) -> None:
@@ -157,12 +178,15 @@ class SnapshotFeed:
 
     def load(self, version: int, step: int | None) -> None:
         if self.loaded != version:
-            self.sync.load(self.snapshots[version], step)
+            with self._lock:
+                snapshot = self.snapshots[version]
+            self.sync.load(snapshot, step)
             self.loaded = version
 
     def release_before(self, version: int) -> None:
-        for old in [v for v in self.snapshots if v < version]:
-            del self.snapshots[old]
+        with self._lock:
+            for old in [v for v in self.snapshots if v < version]:
+                del self.snapshots[old]
         if self.board is not None:
             self.board.run("release_before", version)
 
@@ -304,7 +328,7 @@ class RolloutPipeline:
     def take(self, step: int, plan_n: dict[str, int]) -> Batch:
         """Step `step`'s batch, waiting for its collection."""
         batch = self.batches.pop(step)
-        batch.finish()
+        batch.finish(step)
         if batch.n != plan_n:
             raise RuntimeError(
                 f"step {step}: the controller planned {plan_n} rollouts but {batch.n} were "
@@ -314,10 +338,11 @@ class RolloutPipeline:
 
     def collected_before(self, version: int) -> list[int]:
         """Wait until every submitted batch sampled by a version below `version` is collected;
-        returns their steps."""
+        returns their steps. The policy holds `version`: training is at step `version - 1`
+        (its push, its checkpoint)."""
         steps = [s for s in sorted(self.batches) if self.batches[s].version < version]
         for s in steps:
-            self.batches[s].finish()
+            self.batches[s].finish(training_step=version - 1)
         return steps
 
     def publish(self, version: int, step: int | None) -> None:

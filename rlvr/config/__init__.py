@@ -44,6 +44,7 @@ from rlvr.config.schema import (
     method_names,
     method_spec,
     override_config,
+    override_keys,
     register_method_spec,
 )
 
@@ -80,6 +81,7 @@ __all__ = [
     "method_names",
     "method_spec",
     "override_config",
+    "override_keys",
     "override_items",
     "parse_override",
     "presets",

@@ -1298,15 +1298,20 @@ def _configured(data: dict[str, Any], overrides: Overrides) -> Config:
     choose it), so that the keys of its own section are known."""
     chosen = {".".join(p): v for p, v in override_items(overrides) if p == ["algorithm", "name"]}
     apply_overrides(data, chosen)
-    method = _method_named(data)
     try:
-        model = config_model(method)
+        known = override_keys(_method_named(data))
     except ValueError as err:
         raise ConfigError(f"invalid config: {err}") from None
-    known = key_tree(model)
-    for other in method_names():  # a preset's section of another method may still be set
+    apply_overrides(data, overrides, known=known, unknown_key=_unknown_key)
+    return config_from_dict(data)
+
+
+def override_keys(method: str) -> dict[str, Any]:
+    """The keys an override may set when `method` trains (a `key_tree`): its config's, and every
+    other method's section, which a preset may still set. ValueError for an unknown method."""
+    known = key_tree(config_model(method))
+    for other in method_names():
         section = _section_of(other)
         if section is not None:
             known["algorithm"].setdefault(other, key_tree(section))
-    apply_overrides(data, overrides, known=known, unknown_key=_unknown_key)
-    return config_from_dict(data)
+    return known

@@ -31,6 +31,17 @@ class GuessTheAnswer(Environment):
         return StepResult([hint], None, False, {"tries_left": self.tries})
 
 
+class Endless(Environment):
+    """Never ends an episode: every message gets the same answer, so only the rollout loop's
+    limits end a trajectory."""
+
+    def reset(self, problem: Problem) -> list[dict]:
+        return [{"role": "user", "content": problem.prompt}]
+
+    def step(self, assistant_message: str) -> StepResult:
+        return StepResult([{"role": "user", "content": "Go on."}], None, False)
+
+
 class TupleSteps:
     """No base class, and gym-style tuples from step."""
 

@@ -79,11 +79,21 @@ def test_a_failing_environment_ends_its_trajectory_with_its_status(engine, how, 
 
 
 def test_the_token_budget_ends_a_trajectory(engine):
-    results = run(engine, settings(token_budget=8), n=1)
-    for result in results:
-        record = result.samples[0].flags[AGENT_FLAGS]
-        assert sum(result.samples[0].model_tokens) <= 8
-        assert record["end_reason"] == "token_budget" or record["turns"] < 3
+    """An environment that never ends, and more turns allowed than the budget has tokens (a turn
+    samples one token at least): the budget ends every trajectory, at exactly its size, summed
+    over its turns (one samples `PARAMS.max_tokens` = 6 at most)."""
+    budget = 8
+    env = settings(
+        env_class="tests.envs.sample_envs:Endless",
+        kwargs={},
+        max_turns=budget + 1,
+        token_budget=budget,
+    )
+    for result in run(engine, env, n=1):
+        [sample] = result.samples
+        record = sample.flags[AGENT_FLAGS]
+        assert (record["end_reason"], sum(sample.model_tokens)) == ("token_budget", budget)
+        assert record["turns"] >= 2
 
 
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "47 * 86"}}\n</tool_call>'
