@@ -1,6 +1,6 @@
 """The training workflow's pure parts: which held-out metric picks the best checkpoint, the resume
-check on it, the prompt-rendering check before any actor starts, and a step whose rewards the
-verifier could not compute failing before its update."""
+check on it, the prompt-rendering check before any actor starts, and a step whose rewards were
+not computed (the verifier or an environment failed) failing before its update."""
 
 from __future__ import annotations
 

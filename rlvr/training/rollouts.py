@@ -40,7 +40,7 @@ class Rollouts:
     statuses: list[str] = field(default_factory=list)
     reward_parts: list[dict[str, float]] = field(default_factory=list)
     """With several weighted rewards (`verifier.rewards`), each component's reward by name ({} for
-    a reward the verifier could not compute); empty otherwise."""
+    an uncomputed reward); empty otherwise."""
     advantages: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Unweighted group advantages, when the shaping keeps them (DUET's surrogate needs them)."""
     weights: np.ndarray = field(default_factory=lambda: np.zeros(0))
