@@ -58,3 +58,36 @@ def test_every_failure_of_an_environment_or_the_verifier_is_uncomputed():
     }
     # a model that ran out of turns or tokens is the model's doing: scored as usual
     assert not {"done", "max_turns", "token_budget", "context_length"} & set(UNCOMPUTED)
+
+
+def test_dapo_keeps_a_group_by_its_computed_rewards_and_refills_a_failed_one():
+    """Round 0: prompt 0 has [correct, wrong, crash] (informative on its two real rewards: kept,
+    two rows trained), prompt 1 [correct, crash, crash] (one real reward: dropped and refilled);
+    the refill's prompt answers [correct, wrong, wrong]."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from rlvr.config import load_config
+    from rlvr.methods.dapo.method import Dapo
+    from rlvr.tasks import Problem
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    sets = ["algorithm.name=dapo", "generation.group_size=3", "generation.prompts_per_step=2"]
+    cfg = load_config(configs / "tiny.yaml", sets)
+    pool = [Problem(id=str(i), prompt="p", answer="1") for i in range(6)]
+    ends = {"0": ["correct", "wrong", "env_crashed"], "1": ["correct", "env_crashed", "env_error"]}
+
+    def generate(batch, n, params, step, first_index=0):
+        ids = [p.id for p in batch for _ in range(3)]
+        return rollouts([0.0] * len(ids), [], ids)
+
+    def verify(part):
+        part.statuses = [ends.get(g, ["correct", "wrong", "wrong"])[i % 3] for i, g in
+                         enumerate(part.group_ids)]  # fmt: skip
+        part.rewards = np.array([float(s == "correct") for s in part.statuses])
+
+    run = SimpleNamespace(train_problems=pool, generate=generate, verify=verify)
+    got = Dapo(cfg).collect(run, pool[:2], {}, None, 0, {})
+    assert got.stats == {"dapo_rounds": 2, "dapo_kept_groups": 2, "dapo_dropped_groups": 1}
+    assert len(got.rollouts) == 9 and not set(got.trained.statuses) & set(UNCOMPUTED)
+    assert got.trained.group_ids[:2] == ["0", "0"] and len(got.trained) == 5

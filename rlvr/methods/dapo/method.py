@@ -56,7 +56,7 @@ class Dapo(Method):
                 valid.rewards, valid.group_ids, len(kept), len(problems), r, ds.max_rounds
             )
             kept += outcome.kept
-            dropped += len(outcome.dropped)
+            dropped += len(set(part.group_ids)) - len(outcome.kept)  # failed groups too
             idx = dapo.refill_indices(
                 len(pool),
                 outcome.refill,
