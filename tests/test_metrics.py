@@ -42,18 +42,37 @@ def test_uncomputed_rewards_are_counted_and_capped():
     assert uncomputed_stats(statuses, 0.2, "step 3") == {
         "reward_uncomputed": 1,
         "reward_uncomputed_frac": 0.2,
+        "reward_uncomputed_verifier_failed": 1,
     }
     assert uncomputed_stats([], 0.0, "step 3") == {
         "reward_uncomputed": 0,
         "reward_uncomputed_frac": 0.0,
     }
     with pytest.raises(
-        UncomputedRewards, match=r"^step 3: .* 1 of 5 rewards \(share 0\.2 > .*=0\.1\)"
+        UncomputedRewards, match=r"^step 3: 1 of 5 rewards uncomputed \(share 0\.2 > .*=0\.1\)"
     ):
         uncomputed_stats(statuses, 0.1, "step 3")
     with pytest.raises(UncomputedRewards, match=r"max_uncomputed_share=0\)"):
         uncomputed_stats(statuses, 0.0, "step 3")
     assert uncomputed_stats(["verifier_failed"], 1.0, "step 3")["reward_uncomputed_frac"] == 1.0
+
+
+def test_a_failed_environment_counts_toward_the_uncomputed_share_by_status():
+    statuses = ["correct", "env_crashed", "callback_timeout", "verifier_failed", "wrong"]
+    statuses += ["env_crashed"]
+    assert uncomputed_stats(statuses, 1.0, "step 3") == {
+        "reward_uncomputed": 4,
+        "reward_uncomputed_frac": pytest.approx(4 / 6),
+        "reward_uncomputed_callback_timeout": 1,
+        "reward_uncomputed_env_crashed": 2,
+        "reward_uncomputed_verifier_failed": 1,
+    }
+    message = (
+        r"^step 3: 4 of 6 rewards uncomputed \(share 0\.667 > verifier\.max_uncomputed_share=0\.5\)"
+        r", by status: callback_timeout 1, env_crashed 2, verifier_failed 1; "
+    )
+    with pytest.raises(UncomputedRewards, match=message):
+        uncomputed_stats(statuses, 0.5, "step 3")
 
 
 def test_each_weighted_reward_is_averaged_over_the_rollouts_it_scored():

@@ -1,11 +1,13 @@
 """The training workflow's pure parts: which held-out metric picks the best checkpoint, the resume
-check on it, the prompt-rendering check before any actor starts, and a step whose rewards the
-verifier could not compute failing before its update."""
+check on it, the prompt-rendering check before any actor starts, and a step whose rewards were
+not computed (the verifier or an environment failed) failing before its update."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,9 +93,15 @@ def one_uncomputed(texts: list[str], golds: list[str]) -> list[tuple[float, str]
     return [(0.0, "verifier_failed")] + [(0.0, "wrong")] * (len(texts) - 1)
 
 
-def test_a_step_past_the_uncomputed_share_fails_before_its_update(tmp_path):
-    """2 prompts x 2 samples, one reward of 4 uncomputed: 0.25 > max_uncomputed_share=0.2. The
-    fake workers offer only what a step uses before its update (no policy, no weight sync)."""
+SAMPLE = Sample(token_ids=[1], text="\\boxed{1}", logprobs=[0.0], finish_reason="stop")
+
+
+def fake_trainer(
+    tmp_path: Path, samples: Callable[[int], list[Sample]], score: Callable
+) -> Trainer:
+    """A Trainer over 2 prompts x 2 samples (`samples(k)`: request k's, the first n of them) whose fake workers offer
+    only what a step uses before its update (no policy, no weight sync); the verifier scores
+    with `score`; verifier.max_uncomputed_share=0.2."""
     sets = [
         "generation.prompts_per_step=2",
         "generation.group_size=2",
@@ -104,17 +112,17 @@ def test_a_step_past_the_uncomputed_share_fails_before_its_update(tmp_path):
     run = RunDir(tmp_path / "run")
     run.create(cfg.to_dict())
     problems = [Problem(id=str(i), prompt=f"Compute {i} + 1.", answer=str(i + 1)) for i in range(8)]
-    sample = Sample(token_ids=[1], text="\\boxed{1}", logprobs=[0.0], finish_reason="stop")
     comps = SimpleNamespace(
         controller=SimpleNamespace(plan_step=lambda step, ids: {"n": dict.fromkeys(ids, 2)}),
         generator=SimpleNamespace(
             generate=lambda requests, params, step: [
-                GenerationResult(r.request_id, r.prompt_ids, [sample] * r.n) for r in requests
+                GenerationResult(r.request_id, r.prompt_ids, samples(k)[: r.n])
+                for k, r in enumerate(requests)
             ]
         ),
-        verifier=SimpleNamespace(score=one_uncomputed),
+        verifier=SimpleNamespace(score=score),
     )
-    trainer = Trainer(
+    return Trainer(
         cfg,
         run,
         comps,
@@ -122,9 +130,47 @@ def test_a_step_past_the_uncomputed_share_fails_before_its_update(tmp_path):
         train_problems=problems,
         test_problems=problems[:2],
     )
-    message = r"^step 5: the verifier could not compute 1 of 4 rewards \(share 0\.25 > "
+
+
+def test_a_step_past_the_uncomputed_share_fails_before_its_update(tmp_path):
+    """One reward of 4 uncomputed: 0.25 > max_uncomputed_share=0.2."""
+    trainer = fake_trainer(tmp_path, lambda k: [SAMPLE] * 2, one_uncomputed)
+    message = r"^step 5: 1 of 4 rewards uncomputed \(share 0\.25 > "
     with pytest.raises(UncomputedRewards, match=message + r"verifier\.max_uncomputed_share=0\.2\)"):
         trainer.step(5)
-    with pytest.raises(UncomputedRewards, match=r"^evaluation at step 5: .* 1 of 2 rewards"):
+    with pytest.raises(UncomputedRewards, match=r"^evaluation at step 5: 1 of 2 rewards"):
         trainer.evaluate(5)
-    assert not run.read_metrics() and not run.completed_steps()
+    assert not trainer.run.read_metrics() and not trainer.run.completed_steps()
+
+
+def test_a_failed_environment_is_not_scored_and_counts_toward_the_uncomputed_share(tmp_path):
+    """Per prompt, one trajectory ends well and one fails on the environment's side (prompt 0's
+    environment crashed, prompt 1's callback timed out): the verifier never sees the failed ones,
+    whose rewards are uncomputed, not 0; 2 of 4 > 0.2 stops the step, naming the statuses."""
+    failed = ["env_crashed", "callback_timeout"]
+
+    def samples(k: int) -> list[Sample]:
+        record = {"turns": 1, "tool_calls": 0, "tool_errors": 0, "end_reason": failed[k]}
+        record["env_reward"] = 1.0  # a reward given before the failure does not stand either
+        return [SAMPLE, replace(SAMPLE, text="<tool_call>", flags={"agent": record})]
+
+    seen: list[str] = []
+
+    def score(texts: list[str], golds: list[str]) -> list[tuple[float, str]]:
+        seen.extend(texts)
+        return [(1.0, "correct")] * len(texts)
+
+    trainer = fake_trainer(tmp_path, samples, score)
+    rollouts = trainer.services.generate(
+        trainer.train_problems[:2], {"0": 2, "1": 2}, trainer.sampling_params(5), 5
+    )
+    trainer.services.verify(rollouts)
+    assert seen == ["\\boxed{1}"] * 2
+    assert rollouts.statuses == ["correct", "env_crashed", "correct", "callback_timeout"]
+    assert list(rollouts.rewards) == [1.0, 0.0, 1.0, 0.0]  # 0.0: a placeholder, trained on by none
+    message = (
+        r"^step 5: 2 of 4 rewards uncomputed \(share 0\.5 > verifier\.max_uncomputed_share=0\.2\), "
+        r"by status: callback_timeout 1, env_crashed 1; the step is not committed"
+    )
+    with pytest.raises(UncomputedRewards, match=message):
+        trainer.step(5)

@@ -18,7 +18,12 @@ import ray
 from actors.controller import NAMESPACE
 from actors.reference import ReferenceActor
 from rlvr.config import Config
-from rlvr.envs.rollout import ENVIRONMENT_STATUS, AgentRequest, environment_reward
+from rlvr.envs.rollout import (
+    ENVIRONMENT_STATUS,
+    AgentRequest,
+    agent_failure,
+    environment_reward,
+)
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.methods.base import ReferenceModel
 from rlvr.tasks.base import Problem
@@ -160,19 +165,28 @@ class RunServices:
         return Rollouts.from_results(results, golds)
 
     def verify(self, rollouts: Rollouts) -> None:
+        """Rewards and statuses of `rollouts`. A trajectory that failed on the environment's side
+        is not scored (its last message is no answer): its reward is uncomputed, a 0.0 with its
+        end reason as status, as the verifier's own failures are."""
+        failed = {i: reason for i, f in enumerate(rollouts.flags) if (reason := agent_failure(f))}
+        rows = [i for i in range(len(rollouts)) if i not in failed]
         context = {}
         if "python" in self.cfg.verifier.kinds():  # plug-ins read the problem; the others do not
-            problems = [self._problem(g) for g in rollouts.group_ids]
+            problems = [self._problem(rollouts.group_ids[i]) for i in rows]
             context = {
                 "prompts": [p.prompt if p else "" for p in problems],
                 "metadata": [dict(p.metadata) if p else {} for p in problems],
             }
-        scored = self.comps.verifier.score(rollouts.texts, rollouts.golds, **context)
+        texts, golds = [rollouts.texts[i] for i in rows], [rollouts.golds[i] for i in rows]
+        verdicts = self.comps.verifier.score(texts, golds, **context) if rows else []
+        scored = dict(zip(rows, verdicts, strict=True))
+        scored.update({i: (0.0, reason, {}) for i, reason in failed.items()})
+        scored = [scored[i] for i in range(len(rollouts))]
         rollouts.rewards = np.array([s[0] for s in scored], dtype=np.float64)
         rollouts.statuses = [s[1] for s in scored]
         # a multi-turn environment's own reward, where it gave one, replaces the verifier's
-        for i, flags in enumerate(rollouts.flags):
-            reward = environment_reward(flags)
+        for i in rows:
+            reward = environment_reward(rollouts.flags[i])
             if reward is not None:
                 rollouts.rewards[i], rollouts.statuses[i] = reward, ENVIRONMENT_STATUS
         if self.cfg.verifier.rewards:

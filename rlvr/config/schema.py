@@ -593,9 +593,11 @@ class VerifierConfig(Section):
         0.1,
         ge=0.0,
         le=1.0,
-        description="Largest share of a step's rewards the verifier may fail to compute (status "
-        "'verifier_failed': their actor died on every re-run); past it the step fails before its "
-        "update. 0 tolerates none, 1 never fails.",
+        description="Largest share of a step's rewards left uncomputed (status 'verifier_failed': "
+        "their actor died on every re-run; or a multi-turn trajectory's environment failed, status "
+        "its end reason: env_error, env_timeout, env_bad_result, env_crashed, callback_error, "
+        "callback_timeout); past it the step fails before its update. 0 tolerates none, 1 never "
+        "fails.",
     )
 
     @model_validator(mode="after")

@@ -9,7 +9,8 @@ Messages are plain dicts: `role` and `content` (str), and `name` (str) on a tool
 gives back is the environment's answer: user and tool messages only, never words in the
 assistant's mouth. A reward of None leaves the trajectory to the verifier. A failed environment
 (it raised, hung, died or answered in the wrong shape) raises `EnvironmentFailed` with one of
-`ENV_FAILURES`; the trajectory ends there with that status as its reason.
+`ENV_FAILURES`; the trajectory ends there with that status as its reason, and its reward is
+uncomputed (`AGENT_FAILURES`): it trains nothing and counts toward `verifier.max_uncomputed_share`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from rlvr.tasks.base import Problem
 
 __all__ = [
+    "AGENT_FAILURES",
     "ENV_FAILURES",
     "OBSERVATION_ROLES",
     "PROMPT_ROLES",
@@ -40,6 +42,10 @@ OBSERVATION_ROLES = ("user", "tool")
 ENV_FAILURES = ("env_error", "env_timeout", "env_bad_result", "env_crashed")
 """Why an environment failed: it raised (or could not be loaded), missed its deadline, answered
 in the wrong shape, or its process died."""
+AGENT_FAILURES = (*ENV_FAILURES, "callback_error", "callback_timeout")
+"""End reasons of a trajectory that failed on the environment's side, not the model's: its
+environment failed, or the engine loop's turn callback raised or hung
+(`rlvr.generation.trajectories`). Its last message is no answer: its reward is uncomputed."""
 
 
 @dataclass

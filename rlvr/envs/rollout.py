@@ -7,8 +7,9 @@ tools it announces (`ChatRenderer`); after every model turn its `step(text)` ans
 observation is spliced in as token ids after the model's own, so the trainer's sequence is the
 prompt, then each turn's sampled ids and observation ids, positions continuous. An environment
 that fails (raises, hangs, dies, answers in the wrong shape: `EnvironmentFailed`) ends only its
-trajectory, with its status as the end reason; tool failures are observations the model sees
-(`ToolEnvironment`).
+trajectory, with its status as the end reason, as does a turn callback the engine loop gave up on;
+such a trajectory's reward is uncomputed (`agent_failure`). Tool failures are observations the
+model sees (`ToolEnvironment`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rlvr.envs.base import EnvironmentFailed, Message, StepResult
+from rlvr.envs.base import AGENT_FAILURES, EnvironmentFailed, Message, StepResult
 from rlvr.envs.chat import ChatRenderer
 from rlvr.envs.hosted import HostedEnvironment
 from rlvr.envs.tool_env import ToolEnvironment
@@ -48,6 +49,14 @@ AGENT_FLAGS = "agent"
 """`Sample.flags` key of a trajectory's record (turns, tool calls, end reason, env reward)."""
 ENVIRONMENT_STATUS = "environment"
 """The reward status of a trajectory its environment rewarded (in place of the verifier)."""
+
+
+def agent_failure(flags: dict[str, Any]) -> str | None:
+    """The end reason of a trajectory that failed on the environment's side (`AGENT_FAILURES`),
+    whose reward is uncomputed rather than the verifier's score of its last message; None for a
+    trajectory the model ended (or a single-turn rollout)."""
+    reason = flags.get(AGENT_FLAGS, {}).get("end_reason")
+    return reason if reason in AGENT_FAILURES else None
 
 
 def environment_reward(flags: dict[str, Any]) -> float | None:

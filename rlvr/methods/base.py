@@ -195,7 +195,13 @@ class Method:
             )
         with timed(times, "time_verify"):
             self.score(run, rollouts, step)
-        return Collected(rollouts, rollouts)
+        return Collected(rollouts, self.trainable(rollouts))
+
+    def trainable(self, rollouts: Rollouts) -> Rollouts:
+        """The scored rollouts it may train on: those whose rewards were computed, in groups
+        that keep at least two (`Rollouts.computed`); a failed environment or verifier is no
+        signal about the model."""
+        return rollouts.computed()
 
     def score(self, run: StepServices, rollouts: Rollouts, step: int) -> None:
         """Rewards of the step's rollouts: the verifier's."""

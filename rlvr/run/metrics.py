@@ -1,5 +1,5 @@
 """Per-step rollout statistics: reward (and each weighted component's), accuracy, response lengths,
-truncation, and the rewards the verifier could not compute; unbiased pass@k.
+truncation, and the rewards never computed (the verifier or the environment failed); unbiased pass@k.
 
 Pure functions over plain lists so the driver, the bench and the tests compute them identically.
 """
@@ -13,7 +13,7 @@ import numpy as np
 
 from rlvr.algorithms.groups import group_rows
 from rlvr.generation.segments import POLICY_VERSIONS
-from rlvr.verifiers import VERIFIER_FAILED
+from rlvr.training.rollouts import UNCOMPUTED
 
 
 class UncomputedRewards(RuntimeError):
@@ -77,19 +77,23 @@ def group_stats(rewards: Sequence[float], group_ids: Sequence[str]) -> dict[str,
 
 
 def uncomputed_stats(statuses: Sequence[str], max_share: float, where: str) -> dict[str, float]:
-    """How many of the rollouts' rewards the verifier could not compute (VERIFIER_FAILED: each a
-    0.0 that says nothing about its answer) and their share; past `max_share`
-    (`verifier.max_uncomputed_share`) the rewards are damaged, and this fails loudly, naming
-    `where` and the share."""
-    count = sum(s == VERIFIER_FAILED for s in statuses)
-    share = count / len(statuses) if statuses else 0.0
+    """How many of the rollouts' rewards were never computed (`UNCOMPUTED`: the verifier failed,
+    or the trajectory's environment did; each a 0.0 that says nothing about its answer), their
+    share and their count per status; past `max_share` (`verifier.max_uncomputed_share`) the
+    rewards are damaged, and this fails loudly, naming `where`, the share and the statuses."""
+    failed = sorted(s for s in statuses if s in UNCOMPUTED)
+    by_status = {s: failed.count(s) for s in dict.fromkeys(failed)}
+    share = len(failed) / len(statuses) if statuses else 0.0
     if share > max_share:
+        counts = ", ".join(f"{s} {n}" for s, n in by_status.items())
         raise UncomputedRewards(
-            f"{where}: the verifier could not compute {count} of {len(statuses)} rewards "
-            f"(share {share:.3g} > verifier.max_uncomputed_share={max_share:g}); "
+            f"{where}: {len(failed)} of {len(statuses)} rewards uncomputed (share {share:.3g} > "
+            f"verifier.max_uncomputed_share={max_share:g}), by status: {counts}; "
             "the step is not committed"
         )
-    return {"reward_uncomputed": count, "reward_uncomputed_frac": share}
+    out = {"reward_uncomputed": len(failed), "reward_uncomputed_frac": share}
+    out.update({f"reward_uncomputed_{s}": n for s, n in by_status.items()})
+    return out
 
 
 def agent_stats(flags: Sequence[Mapping[str, Any]]) -> dict[str, float]:

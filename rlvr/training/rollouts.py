@@ -1,6 +1,7 @@
 """A step's rollouts as flat arrays: one row per sampled response, grouped by prompt.
 
-Flattening happens once, right after generation; scoring fills `rewards`, and a method's shaping
+Flattening happens once, right after generation; scoring fills `rewards` (and `statuses`: an
+uncomputed reward leaves the trained rows, `Rollouts.computed`), and a method's shaping
 (`rlvr.methods.grpo.shaping`, `rlvr.methods.duet.shaping`, ...) turns them into the padded
 `TrainBatch`.
 """
@@ -14,8 +15,15 @@ from typing import Any
 import numpy as np
 
 from rlvr.algorithms.groups import group_rows
+from rlvr.envs.base import AGENT_FAILURES
 from rlvr.generation.base import GenerationResult
 from rlvr.generation.stop_rules import FORCED_EOS
+from rlvr.verifiers import VERIFIER_FAILED
+
+UNCOMPUTED = (VERIFIER_FAILED, *AGENT_FAILURES)
+"""Reward statuses of a rollout whose reward was never computed: the verifier failed on it, or
+its trajectory failed on the environment's side. Its 0.0 is a placeholder that says nothing
+about the model: it trains nothing and is left out of its group's statistics (`computed`)."""
 
 
 @dataclass
@@ -33,7 +41,7 @@ class Rollouts:
     statuses: list[str] = field(default_factory=list)
     reward_parts: list[dict[str, float]] = field(default_factory=list)
     """With several weighted rewards (`verifier.rewards`), each component's reward by name ({} for
-    a reward the verifier could not compute); empty otherwise."""
+    an uncomputed reward); empty otherwise."""
     advantages: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """Unweighted group advantages, when the shaping keeps them (DUET's surrogate needs them)."""
     weights: np.ndarray = field(default_factory=lambda: np.zeros(0))
@@ -120,6 +128,19 @@ class Rollouts:
             else:
                 values[f.name] = [x for v in column for x in v]
         return cls(**values)
+
+    def computed(self) -> Rollouts:
+        """The rows whose rewards were computed (status not in UNCOMPUTED), in groups that keep
+        at least two of them: a group's baseline is the mean of real rewards only, and a group
+        left with one has none (it would train on its raw reward)."""
+        if len(self.statuses) != len(self):
+            raise ValueError(f"{len(self.statuses)} statuses for {len(self)} rollouts")
+        rows = []
+        for group in group_rows(self.group_ids).values():
+            valid = [i for i in group if self.statuses[i] not in UNCOMPUTED]
+            if len(valid) >= 2:
+                rows += valid
+        return self.take(sorted(rows))
 
     def rows_of(self, groups: Sequence[str]) -> list[int]:
         """Row indices of the given groups, group by group in that order."""

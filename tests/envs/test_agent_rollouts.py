@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlvr.envs.rollout import AGENT_FLAGS, AgentRequest, Agents, EnvSettings
+from rlvr.envs.rollout import AGENT_FLAGS, AgentRequest, Agents, EnvSettings, agent_failure
 from rlvr.generation.base import Sample, SamplingParams
 from rlvr.generation.engine_loop import FinishedTurn, TurnRequest, run_trajectories
 from rlvr.generation.hf_backend import HFBackend
@@ -73,9 +73,20 @@ def test_a_failing_environment_ends_its_trajectory_with_its_status(engine, how, 
         [sample] = result.samples
         record = sample.flags[AGENT_FLAGS]
         assert (record["end_reason"], record["turns"]) == (reason, turns)
+        assert agent_failure(sample.flags) == reason  # its reward is uncomputed, not scored
         assert result.prompt_ids  # a prompt of its own even when the environment never started
         if turns == 0:
             assert sample.token_ids == [] and sample.model_tokens == []
+
+
+def test_the_engine_loop_s_callback_ends_are_failures_and_the_model_s_limits_are_not():
+    """A callback that raised or hung failed on the environment's side; a trajectory that ran
+    out of turns, tokens or context ended by the model's doing, and is scored."""
+    for reason in ("callback_error", "callback_timeout"):
+        assert agent_failure({AGENT_FLAGS: {"end_reason": reason}}) == reason
+    for reason in ("done", "max_turns", "token_budget", "context_length"):
+        assert agent_failure({AGENT_FLAGS: {"end_reason": reason}}) is None
+    assert agent_failure({}) is None  # a single-turn rollout
 
 
 def test_the_token_budget_ends_a_trajectory(engine):

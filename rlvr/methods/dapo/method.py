@@ -51,11 +51,12 @@ class Dapo(Method):
             with timed(times, "time_verify"):
                 run.verify(part)
             rounds.append(part)
+            valid = self.trainable(part)  # an uncomputed reward neither makes nor breaks a group
             outcome = dapo.sift_round(
-                part.rewards, part.group_ids, len(kept), len(problems), r, ds.max_rounds
+                valid.rewards, valid.group_ids, len(kept), len(problems), r, ds.max_rounds
             )
             kept += outcome.kept
-            dropped += len(outcome.dropped)
+            dropped += len(set(part.group_ids)) - len(outcome.kept)  # failed groups too
             idx = dapo.refill_indices(
                 len(pool),
                 outcome.refill,
@@ -69,9 +70,10 @@ class Dapo(Method):
             batch = [pool[i] for i in idx]
             drawn += batch
         every = Rollouts.concat(rounds)
+        trained = self.trainable(every)
         stats = {
             "dapo_rounds": len(rounds),
             "dapo_kept_groups": len(kept),
             "dapo_dropped_groups": dropped,
         }
-        return Collected(every, every.take(every.rows_of(kept)), stats)
+        return Collected(every, trained.take(trained.rows_of(kept)), stats)

@@ -38,6 +38,12 @@ class Duet(Method):
     def controller_state(self) -> ControllerState:
         return DuetState(**duet_controller(self.cfg))
 
+    def trainable(self, rollouts: Rollouts) -> Rollouts:
+        """Every row: its shaping reads each prompt's rows by the plan's counts, and its own
+        weights take rows out of the loss (single-turn, so no environment fails here; a reward
+        the verifier failed on stays in its group as a 0.0)."""
+        return rollouts
+
     def rollout_options(self, plan: dict[str, Any], step: int) -> dict[str, Any]:
         stop = duet_stop(self.cfg, plan["duet"]["k1"], plan["duet"]["k2"], step)
         return {"duet_stop": stop} if stop is not None else {}

@@ -40,7 +40,7 @@ class Laconic(Method):
         batch, stats = shape_grpo(
             rollouts, self.cfg, pad_id=run.tokenizer.pad_token_id, rewards=shaped
         )
-        # the dual sees every response of the step, before any filtering
+        # the dual sees every response the step trains on (those whose rewards were computed)
         lam_next = run.update_method_state(step, mean_length=float(lengths.mean()))
         truncated = [f == "length" for f in rollouts.finish_reasons]
         stats.update(
