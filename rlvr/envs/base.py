@@ -10,12 +10,17 @@ gives back is the environment's answer: user and tool messages only, never words
 assistant's mouth. A reward of None leaves the trajectory to the verifier. A failed environment
 (it raised, hung, died or answered in the wrong shape) raises `EnvironmentFailed` with one of
 `ENV_FAILURES`; the trajectory ends there with that status as its reason.
+
+Text is the environment's (and its tools') to choose, so it may hold what no tokenizer encodes:
+lone surrogates (a tool printing '\\ud800', invalid UTF-8 decoded with surrogateescape).
+`repair_messages` replaces each such code point by U+FFFD and counts them; the trajectory goes on.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +37,8 @@ __all__ = [
     "StepResult",
     "check_messages",
     "check_step_result",
+    "repair_messages",
+    "repair_text",
 ]
 
 Message = dict[str, str]
@@ -40,6 +47,10 @@ OBSERVATION_ROLES = ("user", "tool")
 ENV_FAILURES = ("env_error", "env_timeout", "env_bad_result", "env_crashed")
 """Why an environment failed: it raised (or could not be loaded), missed its deadline, answered
 in the wrong shape, or its process died."""
+_UNENCODABLE = re.compile("[\ud800-\udfff]")
+"""The code points `str.encode('utf-8')` rejects: surrogates, which a str holds only unpaired.
+NUL is valid UTF-8, and the tiny model's and SmolLM2's tokenizers encode and decode it as it is,
+so it is kept."""
 
 
 @dataclass
@@ -131,3 +142,21 @@ def check_step_result(value: Any, where: str) -> StepResult:
     if type(info) is not dict:
         raise ValueError(f"{where}: info is a {type(info).__name__!r}, not a dict")
     return StepResult(observations, reward, done, info)
+
+
+def repair_text(text: str) -> tuple[str, int]:
+    """`text` with every code point UTF-8 cannot encode replaced by U+FFFD (visibly, so the model
+    sees that something was there), and how many were replaced."""
+    return _UNENCODABLE.subn("\ufffd", text)
+
+
+def repair_messages(messages: Sequence[Message]) -> tuple[list[Message], int]:
+    """The messages with every value repaired (`repair_text`), and the count over all of them."""
+    out, count = [], 0
+    for message in messages:
+        repaired = {}
+        for key, value in message.items():
+            repaired[key], n = repair_text(value)
+            count += n
+        out.append(repaired)
+    return out, count
