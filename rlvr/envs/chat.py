@@ -215,9 +215,9 @@ def check_append_only(renderer: ChatRenderer) -> None:
             last, before, before_ids = previous
             if not text.startswith(before) or ids[: len(before_ids)] != before_ids:
                 raise ValueError(
-                    f"the chat template's rendering of messages 0..{end - 1} of a multi-turn "
-                    f"conversation does not extend its rendering of messages 0..{last - 1} "
-                    f"({'token ids' if text.startswith(before) else 'text'} differ): it "
+                    f"rendering messages 0..{end - 1} of a multi-turn conversation does not "
+                    f"extend rendering messages 0..{last - 1} (their "
+                    f"{'token ids' if text.startswith(before) else 'texts'} differ): the template "
                     "rewrites earlier turns once later ones follow, so the model's sampled ids "
                     "cannot be kept; multi-turn rollouts need a template that only appends"
                 )
