@@ -10,6 +10,7 @@ from rlvr.generation.base import Sample, SamplingParams
 from rlvr.generation.engine_loop import FinishedTurn, TurnRequest, run_trajectories
 from rlvr.generation.hf_backend import HFBackend
 from rlvr.tasks.base import Problem
+from tests.envs import sample_envs
 
 PROBLEMS = [Problem(id="p0", prompt="What is 2 + 3?", answer="5"), Problem("p1", "1 + 1?", "2")]
 PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=0)
@@ -188,11 +189,12 @@ def test_a_tool_result_the_tokenizer_cannot_encode_is_repaired_and_counted(engin
     )
 
 
-def test_an_observation_the_tokenizer_cannot_encode_is_repaired_and_counted(engine):
+@pytest.mark.parametrize("env_class", ["tests.envs.sample_envs:Garbled", sample_envs.Garbled])
+def test_an_observation_the_tokenizer_cannot_encode_is_repaired_and_counted(engine, env_class):
     """Lone surrogates in an environment's prompt and observation become U+FFFD, one per code
-    point, counted in the trajectory's record; the NUL, which the tokenizer encodes and decodes
-    as it is, stays."""
-    garbled = settings(env_class="tests.envs.sample_envs:Garbled", kwargs={})
+    point, counted in the trajectory's record, whether the class is named or passed as an
+    object; the NUL, which the tokenizer encodes and decodes as it is, stays."""
+    garbled = settings(env_class=env_class, kwargs={})
     results = run(engine, garbled, n=1)
     for result in results:
         [sample] = result.samples
