@@ -88,15 +88,29 @@ def test_agent_stats_per_trajectory_and_per_call():
     from rlvr.run.metrics import agent_stats
 
     flags = [
-        {"agent": {"turns": 3, "tool_calls": 2, "tool_errors": 1, "end_reason": "done"}},
-        {"agent": {"turns": 1, "tool_calls": 0, "tool_errors": 0, "end_reason": "done"}},
-        {"agent": {"turns": 4, "tool_calls": 6, "tool_errors": 0, "end_reason": "max_turns"}},
-        {"agent": {"turns": 2, "tool_calls": 0, "tool_errors": 0, "end_reason": "env_timeout"}},
+        {"turns": 3, "tool_calls": 2, "tool_errors": 1, "end_reason": "done", "repaired_chars": 3},
+        {"turns": 1, "tool_calls": 0, "tool_errors": 0, "end_reason": "done", "repaired_chars": 0},
+        {
+            "turns": 4,
+            "tool_calls": 6,
+            "tool_errors": 0,
+            "end_reason": "max_turns",
+            "repaired_chars": 0,
+        },
+        {
+            "turns": 2,
+            "tool_calls": 0,
+            "tool_errors": 0,
+            "end_reason": "env_timeout",
+            "repaired_chars": 2,
+        },
     ]
+    flags = [{"agent": record} for record in flags]
     assert agent_stats(flags) == {
         "agent_turns_mean": 2.5,
         "agent_tool_calls_per_trajectory": 2.0,
         "agent_tool_error_share": 1 / 8,
+        "agent_repaired_chars_per_trajectory": 5 / 4,
         "agent_end_done": 0.5,
         "agent_end_env_timeout": 0.25,
         "agent_end_max_turns": 0.25,

@@ -5,6 +5,7 @@ not computed (the verifier or an environment failed) failing before its update."
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import replace
@@ -86,6 +87,32 @@ def test_lora_targets_must_name_layers_of_the_model(tmp_path):
     assert prepare(load_config(None, sets))[0] == model
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: none of .*q_proj"):
         prepare(load_config(None, [*sets, "model.lora.target_modules=[c_attn, c_fc]"]))
+
+
+def test_a_chat_template_that_is_not_append_only_is_refused_for_multi_turn_rollouts(
+    tmp_path, tiny_model_dir
+):
+    """A template that renders only the last two messages cannot keep a trajectory's ids past
+    its first turn: refused at load, before any actor starts, naming the model and env.kind;
+    single-turn rollouts do not need it, and the tiny model's own template passes."""
+    forgetful = tmp_path / "forgetful"
+    shutil.copytree(tiny_model_dir, forgetful)
+    (forgetful / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((forgetful / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = (
+        "{% for m in messages[-2:] %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    (forgetful / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    sets = ["generation.backend=hf", "task.n_train=8", "task.n_test=4"]
+    tools = ["env.kind=tools", "env.tools=[rlvr.envs.builtin_tools:calculate]"]
+    with pytest.raises(
+        ConfigError,
+        match=rf"{re.escape(str(forgetful))}.*env\.kind='tools'.*does not extend rendering messages",
+    ):
+        prepare(load_config(None, [f"model.path={forgetful}", *sets, *tools]))
+    assert prepare(load_config(None, [f"model.path={forgetful}", *sets]))[0] == forgetful
+    assert prepare(load_config(None, [f"model.path={tiny_model_dir}", *sets, *tools]))
 
 
 def one_uncomputed(texts: list[str], golds: list[str]) -> list[tuple[float, str]]:

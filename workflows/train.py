@@ -31,7 +31,7 @@ from rlvr.files import atomic_write_text
 from rlvr.generation.base import SamplingParams
 from rlvr.methods.base import build_method, method_class, timed
 from rlvr.models import cache_dir, resolve_model_path
-from rlvr.models.checks import check_lora_targets, check_model_dir
+from rlvr.models.checks import check_lora_targets, check_model_dir, check_multi_turn_template
 from rlvr.models.sft import sft_warmup
 from rlvr.run.loggers import Loggers, check_loggers, open_loggers
 from rlvr.run.metrics import (
@@ -434,16 +434,14 @@ def prepare(cfg: Config) -> tuple[Path, list[Problem], list[Problem]]:
         raise ConfigError("invalid config: task: the held-out set is empty")
     from transformers import AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
         task = cfg.task
-        render_prompt(
-            AutoTokenizer.from_pretrained(model_dir),
-            train_problems[0],
-            task.instruction,
-            task.chat_template,
-        )
+        render_prompt(tokenizer, train_problems[0], task.instruction, task.chat_template)
     except ValueError as err:
         raise ConfigError(f"invalid config: {err}") from None
+    if cfg.env.multi_turn:
+        check_multi_turn_template(tokenizer, model_dir, cfg.env.kind, cfg.env.parser)
     if cfg.model.sft_warmup_steps:
         model_dir = warmed_model(cfg, model_dir, train_problems)
     return model_dir, train_problems, test_problems

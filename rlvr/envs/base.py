@@ -11,12 +11,17 @@ assistant's mouth. A reward of None leaves the trajectory to the verifier. A fai
 (it raised, hung, died or answered in the wrong shape) raises `EnvironmentFailed` with one of
 `ENV_FAILURES`; the trajectory ends there with that status as its reason, and its reward is
 uncomputed (`AGENT_FAILURES`): it trains nothing and counts toward `verifier.max_uncomputed_share`.
+
+Text is the environment's (and its tools') to choose, so it may hold what no tokenizer encodes:
+lone surrogates (a tool printing '\\ud800', invalid UTF-8 decoded with surrogateescape).
+`repair_messages` replaces each such code point by U+FFFD and counts them; the trajectory goes on.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +39,8 @@ __all__ = [
     "StepResult",
     "check_messages",
     "check_step_result",
+    "repair_messages",
+    "repair_text",
 ]
 
 Message = dict[str, str]
@@ -46,6 +53,10 @@ AGENT_FAILURES = (*ENV_FAILURES, "callback_error", "callback_timeout")
 """End reasons of a trajectory that failed on the environment's side, not the model's: its
 environment failed, or the engine loop's turn callback raised or hung
 (`rlvr.generation.trajectories`). Its last message is no answer: its reward is uncomputed."""
+_UNENCODABLE = re.compile("[\ud800-\udfff]")
+"""The code points `str.encode('utf-8')` rejects: surrogates, which a str holds only unpaired.
+NUL is valid UTF-8, and the tiny model's and SmolLM2's tokenizers encode and decode it as it is,
+so it is kept."""
 
 
 @dataclass
@@ -137,3 +148,21 @@ def check_step_result(value: Any, where: str) -> StepResult:
     if type(info) is not dict:
         raise ValueError(f"{where}: info is a {type(info).__name__!r}, not a dict")
     return StepResult(observations, reward, done, info)
+
+
+def repair_text(text: str) -> tuple[str, int]:
+    """`text` with every code point UTF-8 cannot encode replaced by U+FFFD (visibly, so the model
+    sees that something was there), and how many were replaced."""
+    return _UNENCODABLE.subn("\ufffd", text)
+
+
+def repair_messages(messages: Sequence[Message]) -> tuple[list[Message], int]:
+    """The messages with every value repaired (`repair_text`), and the count over all of them."""
+    out, count = [], 0
+    for message in messages:
+        repaired = {}
+        for key, value in message.items():
+            repaired[key], n = repair_text(value)
+            count += n
+        out.append(repaired)
+    return out, count

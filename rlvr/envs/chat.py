@@ -33,26 +33,28 @@ from typing import Any
 
 from rlvr.envs.parsers import ToolCallParser, get_parser
 
-__all__ = ["STYLES", "ChatRenderer", "template_style"]
+__all__ = ["STYLES", "ChatRenderer", "check_append_only", "template_style"]
 
 STYLES = ("auto", "template", "fallback")
 _MARKER = "<<rlvr: assistant content>>"
 _PROBE_TOOL = "rlvr_probe_tool"
 _PROBE_RESULT = "rlvr probe result"
 _ZERO_WIDTH_SPACE = "\u200b"
+PROBE_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": _PROBE_TOOL,
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+"""A tool's schema for probing what a template renders."""
 
 
 def template_style(tokenizer: Any) -> str:
     """ "template" when the tokenizer's chat template renders `tools=` and `tool` messages,
     else "fallback"."""
-    probe = {
-        "type": "function",
-        "function": {
-            "name": _PROBE_TOOL,
-            "description": "A probe.",
-            "parameters": {"type": "object", "properties": {}},
-        },
-    }
+    probe = PROBE_SCHEMA
     user = {"role": "user", "content": "hello"}
     try:
         with_tools = tokenizer.apply_chat_template([user], tools=[probe], tokenize=False)
@@ -185,3 +187,38 @@ class ChatRenderer:
             if at >= 0:
                 turn_end = turn_end[at + len(sampled) :]
         return self.encode(turn_end + rest)
+
+
+def check_append_only(renderer: ChatRenderer) -> None:
+    """ValueError unless the renderer's template renders a synthetic multi-turn conversation
+    (system, user, then assistant turns with reasoning and a tool call, answered by a tool
+    result and by a user message) append-only: the rendering after each message (with the
+    assistant's turn opened where one follows), as text and as token ids, extends the previous
+    one. Run once before any rollout, so that a template that
+    rewrites earlier turns fails at load instead of in every trajectory's second turn."""
+    call = renderer.parser.write_call(_PROBE_TOOL, {})
+    conversation = [
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": "What is 6 * 7?"},
+        {"role": "assistant", "content": f"<think>The tool knows.</think>\n{call}"},
+        {"role": "tool", "name": _PROBE_TOOL, "content": _PROBE_RESULT},
+        {"role": "assistant", "content": "<think>It says so.</think>\nIt is 42."},
+        {"role": "user", "content": "Are you sure?"},
+        {"role": "assistant", "content": "<think>Yes.</think>\n\\boxed{42}"},
+    ]
+    previous: tuple[int, str, list[int]] | None = None
+    for end in range(2, len(conversation) + 1):
+        opens_turn = end < len(conversation) and conversation[end]["role"] == "assistant"
+        text = renderer.render(conversation[:end], add_generation_prompt=opens_turn)
+        ids = renderer.encode(text)
+        if previous is not None:
+            last, before, before_ids = previous
+            if not text.startswith(before) or ids[: len(before_ids)] != before_ids:
+                raise ValueError(
+                    f"rendering messages 0..{end - 1} of a multi-turn conversation does not "
+                    f"extend rendering messages 0..{last - 1} (their "
+                    f"{'token ids' if text.startswith(before) else 'texts'} differ): the template "
+                    "rewrites earlier turns once later ones follow, so the model's sampled ids "
+                    "cannot be kept; multi-turn rollouts need a template that only appends"
+                )
+        previous = (end, text, ids)

@@ -9,7 +9,9 @@ prompt, then each turn's sampled ids and observation ids, positions continuous. 
 that fails (raises, hangs, dies, answers in the wrong shape: `EnvironmentFailed`) ends only its
 trajectory, with its status as the end reason, as does a turn callback the engine loop gave up on;
 such a trajectory's reward is uncomputed (`agent_failure`). Tool failures are observations the
-model sees (`ToolEnvironment`).
+model sees (`ToolEnvironment`). Every message an environment gives (its prompt, its observations,
+tool results among them) enters the conversation here, repaired (`repair_messages`: what the
+tokenizer cannot encode becomes U+FFFD) and counted in the trajectory's record.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rlvr.envs.base import AGENT_FAILURES, EnvironmentFailed, Message, StepResult
+from rlvr.envs.base import (
+    AGENT_FAILURES,
+    EnvironmentFailed,
+    Message,
+    StepResult,
+    repair_messages,
+)
 from rlvr.envs.chat import ChatRenderer
 from rlvr.envs.hosted import HostedEnvironment
 from rlvr.envs.tool_env import ToolEnvironment
@@ -46,7 +54,8 @@ from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, prompt_messages
 from rlvr.verifiers.worker import plugin_name
 
 AGENT_FLAGS = "agent"
-"""`Sample.flags` key of a trajectory's record (turns, tool calls, end reason, env reward)."""
+"""`Sample.flags` key of a trajectory's record (turns, tool calls, end reason, env reward, code
+points of the environment's text repaired)."""
 ENVIRONMENT_STATUS = "environment"
 """The reward status of a trajectory its environment rewarded (in place of the verifier)."""
 
@@ -130,11 +139,19 @@ class Session:
         self.failure: str | None = None
         self.rewards: list[float] = []
         self.tool_statuses: list[str] = []
+        self.repaired_chars = 0
+
+    def repaired(self, messages: list[Message]) -> list[Message]:
+        """The environment's messages as the conversation takes them (`repair_messages`),
+        their repaired code points counted."""
+        messages, count = repair_messages(messages)
+        self.repaired_chars += count
+        return messages
 
     def prompt_ids(self) -> list[int] | None:
         """The first turn's prompt, or None when the environment failed to start."""
         try:
-            self.messages = list(self.env.reset(self.problem))
+            self.messages = self.repaired(self.env.reset(self.problem))
         except EnvironmentFailed as err:
             self.failure = err.status
             return None
@@ -157,10 +174,11 @@ class Session:
         if result.done:
             return Finish(info)
         conversation = [*self.messages, {"role": "assistant", "content": text}]
+        observations = self.repaired(result.observations)
         observation_ids = self.renderer.observation_ids(
-            conversation, turn.sample.token_ids, result.observations
+            conversation, turn.sample.token_ids, observations
         )
-        self.messages = [*conversation, *result.observations]
+        self.messages = [*conversation, *observations]
         return Continue(observation_ids, info)
 
     def close(self) -> None:
@@ -193,6 +211,7 @@ class Session:
             "tool_errors": sum(s in ERROR_STATUSES for s in self.tool_statuses),
             "end_reason": self.end_reason(trajectory),
             "env_reward": sum(self.rewards) if self.rewards else None,
+            "repaired_chars": self.repaired_chars,
         }
         flags: dict[str, Any] = {AGENT_FLAGS: record}
         if any(POLICY_VERSIONS in turn.sample.flags for turn in turns):

@@ -1,14 +1,16 @@
 """Checks of a resolved model directory against the run that will use it, before any actor starts:
 a HF directory, a context length it supports, head sizes vLLM's CPU kernels take, LoRA targets that
-name some layer of it."""
+name some layer of it, a chat template that only appends where rollouts are multi-turn."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rlvr.config.core import ConfigError
+from rlvr.envs.chat import PROBE_SCHEMA, ChatRenderer, check_append_only
 
 VLLM_CPU_HEAD_SIZES = (32, 64, 128)
 
@@ -55,3 +57,17 @@ def check_lora_targets(model_dir: Path, target_modules: Sequence[str]) -> None:
             f"invalid config: model.lora.target_modules: none of {list(target_modules)} is a "
             f"layer of {model_dir} (its layers: {', '.join(leaves)})"
         )
+
+
+def check_multi_turn_template(tokenizer: Any, model_dir: Path, env_kind: str, parser: str) -> None:
+    """Multi-turn rollouts (`env.kind` other than 'none') splice each turn's ids after the
+    previous turns', so the model's chat template must only append (rlvr.envs.chat:
+    `check_append_only`); a template that does not would fail every trajectory after its first
+    turn, so it is refused here, naming the model and env.kind."""
+    try:
+        check_append_only(ChatRenderer(tokenizer, [PROBE_SCHEMA], parser))
+    except ValueError as err:
+        raise ConfigError(
+            f"invalid config: model.path: the chat template of {model_dir} cannot run "
+            f"multi-turn rollouts (env.kind={env_kind!r}): {err}"
+        ) from None

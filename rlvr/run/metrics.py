@@ -99,7 +99,8 @@ def uncomputed_stats(statuses: Sequence[str], max_share: float, where: str) -> d
 def agent_stats(flags: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """Per step of multi-turn rollouts (each rollout's `flags["agent"]`): the model's turns and
     tool calls per trajectory, the share of calls that failed (a malformed call, an unknown tool,
-    bad arguments, an error, a timeout...), and the share of trajectories each end reason
+    bad arguments, an error, a timeout...), the code points of environment text repaired per
+    trajectory (rlvr.envs.base.repair_text), and the share of trajectories each end reason
     ended; {} for single-turn rollouts."""
     agents = [f["agent"] for f in flags if "agent" in f]
     if not agents:
@@ -109,6 +110,8 @@ def agent_stats(flags: Sequence[Mapping[str, Any]]) -> dict[str, float]:
         "agent_turns_mean": float(np.mean([a["turns"] for a in agents])),
         "agent_tool_calls_per_trajectory": calls / len(agents),
         "agent_tool_error_share": sum(a["tool_errors"] for a in agents) / calls if calls else 0.0,
+        "agent_repaired_chars_per_trajectory": sum(a["repaired_chars"] for a in agents)
+        / len(agents),
     }
     reasons = [a["end_reason"] for a in agents]
     for reason in sorted(set(reasons)):

@@ -102,3 +102,23 @@ class Failing(Environment):
 
 
 NOT_A_CLASS = 3
+
+
+GARBLED = "lone \ud800, nul \x00, bytes " + b"\xff\xfe".decode("utf-8", "surrogateescape")
+"""Text no tokenizer encodes as it is: a lone surrogate, a NUL, and invalid UTF-8 decoded with
+surrogateescape (two lone surrogates)."""
+
+
+class Garbled(Environment):
+    """A prompt with a lone surrogate, then one observation of `GARBLED`; reward 1.0 on the
+    second step."""
+
+    def reset(self, problem: Problem) -> list[dict]:
+        self.steps = 0
+        return [{"role": "user", "content": f"{problem.prompt} \udc80"}]
+
+    def step(self, assistant_message: str) -> StepResult:
+        self.steps += 1
+        if self.steps == 2:
+            return StepResult([], 1.0, True)
+        return StepResult([{"role": "user", "content": GARBLED}], None, False)

@@ -10,6 +10,7 @@ from rlvr.generation.base import Sample, SamplingParams
 from rlvr.generation.engine_loop import FinishedTurn, TurnRequest, run_trajectories
 from rlvr.generation.hf_backend import HFBackend
 from rlvr.tasks.base import Problem
+from tests.envs import sample_envs
 
 PROBLEMS = [Problem(id="p0", prompt="What is 2 + 3?", answer="5"), Problem("p1", "1 + 1?", "2")]
 PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=0)
@@ -120,8 +121,9 @@ class ScriptedPolicy:
     rounds = True
     vocab_size = 2048
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, texts: tuple[str, ...] = (CALL, UNKNOWN, "\\boxed{4042}")):
         self.tokenizer = tokenizer
+        self.texts = texts
         self.context_limit = 4096
         self.submitted: list[tuple[int, TurnRequest]] = []
 
@@ -133,7 +135,7 @@ class ScriptedPolicy:
         out = []
         for key, request in done:
             results = self.tokenizer.decode(request.prompt_ids).count("<tool_response>\n")
-            text = [CALL, UNKNOWN, "\\boxed{4042}"][min(results, 2)]
+            text = self.texts[min(results, len(self.texts) - 1)]
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             ids.append(self.tokenizer.eos_token_id)
             out.append(FinishedTurn(key, Sample(ids, text, [-0.5] * len(ids), "stop")))
@@ -166,6 +168,7 @@ def test_tool_calls_run_sandboxed_and_return_as_observations_the_model_does_not_
         "tool_errors": 1,  # the unknown tool: an error the model reads, not a failed rollout
         "end_reason": "done",
         "env_reward": None,  # no reward of the loop's own: the verifier scores the answer
+        "repaired_chars": 0,
     }
     assert sample.text == "\\boxed{4042}"
     tokenizer = engine.tokenizer
@@ -179,3 +182,47 @@ def test_tool_calls_run_sandboxed_and_return_as_observations_the_model_does_not_
     )
     assert "<tool_response>\n4042\n</tool_response>" in observed
     assert "Error: no tool named 'lookup' (tools: calculate)" in observed
+
+
+def observed_text(tokenizer, sample: Sample) -> str:
+    """The decoded ids of a trajectory that the model did not sample."""
+    own = sample.model_tokens
+    return tokenizer.decode([t for t, m in zip(sample.token_ids, own, strict=True) if not m])
+
+
+def test_a_tool_result_the_tokenizer_cannot_encode_is_repaired_and_counted(engine):
+    """A snippet prints a lone surrogate from plain ASCII source: the result is "ok", and the
+    tokenizer cannot encode it; the trajectory goes on with U+FFFD in its place."""
+    tools = EnvSettings(kind="tools", tools=("rlvr.envs.builtin_tools:python",), max_turns=4)
+    snippet = "print('\\\\ud800 and \\\\udcff')"  # ASCII source: the escapes make the surrogates
+    call = f'<tool_call>\n{{"name": "python", "arguments": {{"code": "{snippet}"}}}}\n</tool_call>'
+    policy = ScriptedPolicy(engine.tokenizer, (call, "\\boxed{1}"))
+    problem = Problem("p", "Print something.", "1")
+    [result] = Agents(tools, engine.tokenizer).generate(
+        policy, [AgentRequest(problem, n=1, seed=0, request_id="p")], SamplingParams(max_tokens=64)
+    )
+    [sample] = result.samples
+    record = sample.flags[AGENT_FLAGS]
+    assert (record["end_reason"], record["turns"], record["tool_errors"]) == ("done", 2, 0)
+    assert record["repaired_chars"] == 2
+    assert "<tool_response>\n\ufffd and \ufffd\n\n</tool_response>" in observed_text(
+        engine.tokenizer, sample
+    )
+
+
+@pytest.mark.parametrize("env_class", ["tests.envs.sample_envs:Garbled", sample_envs.Garbled])
+def test_an_observation_the_tokenizer_cannot_encode_is_repaired_and_counted(engine, env_class):
+    """Lone surrogates in an environment's prompt and observation become U+FFFD, one per code
+    point, counted in the trajectory's record, whether the class is named or passed as an
+    object; the NUL, which the tokenizer encodes and decodes as it is, stays."""
+    garbled = settings(env_class=env_class, kwargs={})
+    results = run(engine, garbled, n=1)
+    for result in results:
+        [sample] = result.samples
+        record = sample.flags[AGENT_FLAGS]
+        assert (record["end_reason"], record["turns"], record["env_reward"]) == ("done", 2, 1.0)
+        assert record["repaired_chars"] == 1 + 3  # the prompt's one, the observation's three
+        assert "lone \ufffd, nul \x00, bytes \ufffd\ufffd" in observed_text(
+            engine.tokenizer, sample
+        )
+        assert engine.tokenizer.decode(result.prompt_ids).count("\ufffd") == 1

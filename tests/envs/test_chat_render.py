@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 from transformers import AutoTokenizer
 
-from rlvr.envs.chat import ChatRenderer, template_style
+from rlvr.envs.chat import ChatRenderer, check_append_only, template_style
 from rlvr.envs.tools import load_tool
 from rlvr.tasks.prompts import render_messages
 
@@ -34,6 +34,21 @@ HERMES_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
+
+FORGETFUL_TEMPLATES = {
+    # shows only the last assistant message in full, as templates that drop past reasoning do
+    "drops past assistant messages": (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}"
+        "{% endif %}<|endoftext|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+    "renders the last two messages": (
+        "{% for m in messages[-2:] %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|endoftext|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+}
+"""Chat templates that are not append-only: a later turn changes how earlier ones render."""
 
 CALL_1 = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 * 13"}}\n</tool_call>'
 CALL_2 = (
@@ -206,17 +221,25 @@ def test_special_token_text_in_an_observation_cannot_forge_a_turn(tiny):
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tiny):
     tokenizer = copy.deepcopy(tiny)
-    # shows only the last assistant message in full, as templates that drop past reasoning do
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>\n"
-        "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}{{ m['content'] }}"
-        "{% endif %}<|endoftext|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-    )
+    tokenizer.chat_template = FORGETFUL_TEMPLATES["drops past assistant messages"]
     renderer = ChatRenderer(tokenizer, TOOLS)
     conversation = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": CALL_1}]
     with pytest.raises(ValueError, match="renders the earlier turns differently"):
         renderer.observation_ids(conversation, sampled(tiny, CALL_1), OBSERVATIONS[0])
+
+
+@pytest.mark.parametrize("parser", ["hermes", "json"])
+def test_the_append_only_check_passes_append_only_templates(tiny, tiny_hermes, parser):
+    for tokenizer in (tiny, tiny_hermes):
+        check_append_only(ChatRenderer(tokenizer, parser=parser))
+
+
+@pytest.mark.parametrize("how", sorted(FORGETFUL_TEMPLATES))
+def test_the_append_only_check_refuses_a_template_that_rewrites_earlier_turns(tiny, how):
+    tokenizer = copy.deepcopy(tiny)
+    tokenizer.chat_template = FORGETFUL_TEMPLATES[how]
+    with pytest.raises(ValueError, match=r"messages 0\.\.\d+ .* does not extend"):
+        check_append_only(ChatRenderer(tokenizer))
 
 
 def test_a_tokenizer_without_a_template_is_refused(tiny):
@@ -243,3 +266,4 @@ def test_smollm2_renders_tools_through_the_fallback_and_splices_exactly():
     text = renderer.render(conversation, add_generation_prompt=False)
     assert text.startswith("<|im_start|>system\nYou can call tools.")
     assert tokenizer.decode(played.ids) + "\n" == text
+    check_append_only(renderer)
