@@ -171,7 +171,8 @@ def test_stop_rules_are_fresh_for_every_turn(backend, stop_after):
     for k, turn in enumerate(result.turns):
         assert len(turn.sample.token_ids) == 3 + k and turn.sample.token_ids[-1] == eos
         assert turn.sample.finish_reason == "stop"
-        assert turn.sample.flags == {"shown": list(range(1, 3 + k))}
+        # the forced EOS's position in the turn, for the trainer to leave it unweighted
+        assert turn.sample.flags == {"shown": list(range(1, 3 + k)), "forced_eos_at": 2 + k}
     assert result.turns[1].prompt_ids[len(PROMPTS[0]) + 2] == eos
 
 

@@ -91,7 +91,7 @@ def test_stop_rules_force_eos_exactly_there(hf, stop_after, stop_on_token):
     assert sample.logprobs[:5] == pytest.approx(free.logprobs[:5], abs=1e-5)
     assert sample.logprobs[5] == 0.0  # the forced EOS had probability 1
     assert sample.finish_reason == "stop"
-    assert sample.flags == {"shown": [1, 2, 3, 4, 5]}
+    assert sample.flags == {"shown": [1, 2, 3, 4, 5], "forced_eos_at": 5}
 
     token = free.token_ids[2]
     first = free.token_ids.index(token)
@@ -100,7 +100,7 @@ def test_stop_rules_force_eos_exactly_there(hf, stop_after, stop_on_token):
     )
     sample = on_token[0].samples[0]
     assert sample.token_ids == free.token_ids[: first + 1] + [hf.eos_token_id]
-    assert sample.flags == {"aborted": True, "at": first + 1}
+    assert sample.flags == {"aborted": True, "at": first + 1, "forced_eos_at": first + 1}
 
 
 def test_load_weights_in_place_and_strict_names(tiny_model_dir):

@@ -193,7 +193,7 @@ def test_stop_rules_force_eos_inside_the_engine(engine, hf, stop_after, stop_on_
     assert sample.token_ids == free.token_ids[:5] + [engine.eos_token_id]
     assert sample.logprobs[5] == 0.0
     assert sample.finish_reason == "stop"
-    assert sample.flags == {"shown": [1, 2, 3, 4, 5]}
+    assert sample.flags == {"shown": [1, 2, 3, 4, 5], "forced_eos_at": 5}
 
     token = free.token_ids[2]
     first = free.token_ids.index(token)
@@ -203,7 +203,7 @@ def test_stop_rules_force_eos_inside_the_engine(engine, hf, stop_after, stop_on_
     sample = on_token[0].samples[0]
     assert sample.token_ids == free.token_ids[: first + 1] + [engine.eos_token_id]
     assert sample.finish_reason == "stop"
-    assert sample.flags == {"aborted": True, "at": first + 1}
+    assert sample.flags == {"aborted": True, "at": first + 1, "forced_eos_at": first + 1}
 
     # Per-sample rules in a mixed batch, greedy, in both backends: rule k stops sample k at k+1.
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
@@ -214,7 +214,8 @@ def test_stop_rules_force_eos_inside_the_engine(engine, hf, stop_after, stop_on_
     assert _token_ids(from_vllm) == _token_ids(from_hf)
     assert [[len(s.token_ids) for s in r.samples] for r in from_vllm] == [[2, 3], [4, 5]]
     assert [[s.flags for s in r.samples] for r in from_vllm] == [
-        [{"shown": list(range(1, k + 1))} for k in (1 + 2 * i, 2 + 2 * i)] for i in range(2)
+        [{"shown": list(range(1, k + 1)), "forced_eos_at": k} for k in (1 + 2 * i, 2 + 2 * i)]
+        for i in range(2)
     ]
 
 

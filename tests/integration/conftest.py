@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from workflows.reaper import program
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 # Small and fast, but the same model and SFT warm-up as configs/tiny.yaml (built once, cached).
@@ -170,7 +172,13 @@ def assert_same_weights() -> Callable[[Path, Path], None]:
 
 class RunControl:
     """Drive a `rlvr train` subprocess from a test: wait for its commits, SIGKILL its actors (as
-    the OOM killer or a lost node would) or the driver itself."""
+    the OOM killer or a lost node would) or the driver itself, and see what of its cluster is
+    left."""
+
+    ACTORS = frozenset({"PolicyActor", "GeneratorActor", "VerifierActor", "ControllerActor"})
+    """The actor kinds every `rlvr train` run starts."""
+    CLUSTER = ACTORS | {"gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent"}
+    """What a driver's cluster runs: those actors and Ray's own processes."""
 
     @staticmethod
     def wait_for_commit(
@@ -195,6 +203,39 @@ class RunControl:
             except psutil.Error:
                 continue
         return found
+
+    @staticmethod
+    def alive(procs: list[psutil.Process]) -> list[str]:
+        """`program (pid)` of those still running (a zombie has ended)."""
+        left = []
+        for proc in procs:
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    left.append(f"{program(proc)} ({proc.pid})")
+            except psutil.NoSuchProcess:
+                continue
+        return left
+
+    @staticmethod
+    def cluster_of(driver: psutil.Process) -> tuple[list[psutil.Process], psutil.Process]:
+        """The driver's cluster (every process it started but the reaper) and its reaper."""
+        procs = driver.children(recursive=True)
+        [reaper] = [p for p in procs if program(p) == "workflows.reaper"]
+        return [p for p in procs if p != reaper], reaper
+
+    @staticmethod
+    def programs(procs: list[psutil.Process]) -> set[str]:
+        """What each process runs (`workflows.reaper.program`)."""
+        return {program(p) for p in procs}
+
+    def wait_for_actors(self, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+        """Until every kind of `ACTORS` runs under the driver (it must not exit before)."""
+        driver = psutil.Process(proc.pid)
+        deadline = time.monotonic() + timeout_s
+        while not self.programs(driver.children(recursive=True)) >= self.ACTORS:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, "the run's actors never started"
+            time.sleep(0.5)
 
     def kill_actor(self, proc: subprocess.Popen, kind: str, timeout_s: float = 120) -> int:
         """SIGKILL one `kind` actor of the run, holding the driver still meanwhile (a tiny step

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import psutil
 import pytest
 
 from workflows.cli import main as cli_main
@@ -70,8 +71,9 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
     """run.max_staleness=2 with partial rollouts: step t trains on rollouts whose first 16
     tokens were sampled by policy version max(0, t - 2) and the rest by max(0, t - 1), collected
     in the background pipeline, the engines loading snapshots of the policy (the newer one in
-    the middle of the batch). Killed once step 0 commits (its checkpoint holds steps 1 and 2's
-    rollouts; step 3's are sampled after the resume from the checkpoint's own weights), then,
+    the middle of the batch). Its driver SIGKILLed once step 0 commits (its checkpoint holds steps
+    1 and 2's rollouts; step 3's are sampled after the resume from the checkpoint's own weights),
+    taking every process of its cluster with it, then,
     resumed, its GeneratorActor killed once the resumed run commits its first step (recovered
     within the run: the pipeline restarts from that checkpoint), the run ends bit-identical to
     the uninterrupted one. The reward is math's plus half a format plug-in's
@@ -87,8 +89,16 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
     assert full.returncode == 0, log[-4000:]
     proc = run_cli(tiny_train_args(tmp_path / "b", *extra))
     ckpt = tmp_path / "b" / "full" / "checkpoints" / "step_000000"
+    run_control.wait_for_actors(proc)
+    cluster, reaper = run_control.cluster_of(psutil.Process(proc.pid))
+    assert run_control.programs(cluster) >= run_control.CLUSTER
     last = run_control.kill_driver_after_commit(proc, ckpt)
     assert last < 2, "the killed run got too far for the resume to lose an engine mid-run"
+    # SIGKILL leaves the driver no way to clean up: Ray's GCS and raylet end with it, its workers
+    # with the raylet, and the reaper stops the rest (Ray's agents would linger a minute
+    # reporting the loss to the dead GCS).
+    reaper.wait(timeout=120)
+    assert run_control.alive(cluster) == []
     assert (ckpt / "pipeline.pkl").is_file()
     resumed = run_cli(["train", "--resume", str(tmp_path / "b" / "full")])
     # a step the resumed run commits itself: its actors are up (the final evaluation at the
