@@ -222,8 +222,9 @@ def test_evaluate_any_checkpoint_on_any_data(tiny_run_dir, tmp_path, capsys):
 
 
 # A second architecture through the same spine: Llama (bias-free attention, untied LM head, Llama
-# 3 rope scaling) with LoRA adapters, the shared-prefix packed forward and the chunked LM head,
-# after a short SFT warm-up. The warm-up is too short for correct answers: LACONIC's dual starts
+# 3 rope scaling) with LoRA adapters, the shared-prefix packed forward, the trainer's token-budget
+# micro-batches and the chunked LM head, after a short SFT warm-up, its policy rank and engine
+# colocated in one bundle (weights handed over between them). The warm-up is too short for correct answers: LACONIC's dual starts
 # above 0, so the length cost alone gives step 0 advantages and an update. lr 5e-3 moves the
 # adapters far: the two updates shift the log-probs of the final model's own samples by about 0.3
 # nats a token on average, so an engine left with stale weights would miss the 1e-3 below by far.
@@ -235,16 +236,22 @@ LLAMA = [
     "training.lr=5e-3",
     "training.shared_prefix=true",
     "training.lm_head_chunk=16",
+    "training.micro_batch_tokens=128",
+    "resources.colocate=true",
+    "resources.policy_cpus=0.5",
+    "resources.generator_cpus=0.5",
+    "sync.bucket_mb=0.25",
     "run.steps=2",
 ]
 
 
-def test_tiny_llama_trains_with_lora_and_syncs_to_the_engine(
+def test_tiny_llama_trains_with_lora_colocated_and_hands_weights_to_the_engine(
     tmp_path, capsys, run_cli, tiny_train_args
 ):
-    """A 2-step LoRA run on the tiny Llama through the actors (vLLM, DeepSpeed, verifier pool):
-    the adapters learn, vLLM samples step 1 with the synced weights (its log-probs those of the
-    trainer's pi_old within 1e-3), and the final model loads and evaluates."""
+    """A 2-step LoRA run on the tiny Llama through the actors (vLLM, DeepSpeed, verifier pool),
+    each policy rank colocated with its engine: the adapters learn, vLLM samples step 1 with the
+    weights handed over (its log-probs those of the trainer's pi_old within 1e-3), and the final
+    model loads and evaluates."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -252,9 +259,15 @@ def test_tiny_llama_trains_with_lora_and_syncs_to_the_engine(
     log, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, log[-4000:]
     run = tmp_path / "full"
+    written = json.loads((run / "layout.json").read_text())
+    assert written["weight_sync"] == "colocated"  # "auto" when colocated
+    layout = written["actors"]
+    assert layout["PolicyActor 0"] == layout["GeneratorActor 0"]
+    assert (layout["PolicyActor 0"]["group"], layout["PolicyActor 0"]["bundle"]) == ("colocated", 0)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [0, 1]
     for m in metrics:
+        assert m["time_sync"] > 0
         assert m["rollouts"] == 16 and m["train_optimizer_steps"] == 2
         assert m["train_engine_ratio_mean"] == pytest.approx(1.0, abs=1e-3)
         assert m["train_engine_ratio_max"] < 1.0 + 1e-3
