@@ -132,7 +132,7 @@ class Rollouts:
     def computed(self) -> Rollouts:
         """The rows whose rewards were computed (status not in UNCOMPUTED), in groups that keep
         at least two of them: a group's baseline is the mean of real rewards only, and a group
-        left with one has none (it would train on its raw reward)."""
+        left with one has none (it would train on its raw reward). Itself when every row stays."""
         if len(self.statuses) != len(self):
             raise ValueError(f"{len(self.statuses)} statuses for {len(self)} rollouts")
         rows = []
@@ -140,7 +140,8 @@ class Rollouts:
             valid = [i for i in group if self.statuses[i] not in UNCOMPUTED]
             if len(valid) >= 2:
                 rows += valid
-        return self.take(sorted(rows))
+        # all kept: these very rollouts, so that what shaping fills in reaches the step's log
+        return self if len(rows) == len(self) else self.take(sorted(rows))
 
     def rows_of(self, groups: Sequence[str]) -> list[int]:
         """Row indices of the given groups, group by group in that order."""

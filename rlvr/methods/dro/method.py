@@ -171,6 +171,12 @@ class Dro(Method):
             requests.append(JudgeRequest(query_text(self.problems[gid], instruction), text, items))
         return rows, requests, where
 
+    def trainable(self, rollouts: Rollouts) -> Rollouts:
+        """Every row: DRO's rewards are its own R3 scores, set group by group in `score` (the
+        verifier only measures exact accuracy, unless `algorithm.dro.reward: verifier`), and its
+        gates take whole groups out of the loss (single-turn, so no environment fails here)."""
+        return rollouts
+
     def score(self, run: StepServices, rollouts: Rollouts, step: int) -> None:
         """Rewards, gate verdicts and advantages of every group; R3 scoring and rubric judging run
         at once, the exact verifier too when the task has gold answers (metrics only). The
