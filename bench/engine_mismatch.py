@@ -1,14 +1,19 @@
 """Engine/trainer log-prob mismatch on a run config's own prompts, with and without the temperature.
 
     .venv/bin/python bench/engine_mismatch.py --config configs/smollm2-arith.yaml --prompts 16 --n 8
+    .venv/bin/python bench/engine_mismatch.py --config configs/tiny.yaml --dtype bfloat16
 
 Samples `--n` rollouts for each of `--prompts` training prompts with vLLM at the config's sampling
-settings, then recomputes the sampled tokens' log-probs the trainer's way (`token_logprobs` over
-the same weights) three times: at the sampling temperature within its top-p nucleus (what the
-trainer's importance weight compares), over the full tempered softmax (which adds the nucleus
-mass to the ratio) and at temperature 1 (the raw logits). Prints, for each, the engine/trainer ratio rho = pi_old / mu (mean, max), the
-share of tokens past the importance cap, KL(mu || pi_old) and the largest |log-prob difference|,
-and writes them as JSON beside the table.
+settings and weights dtype (`generation.dtype`), then recomputes the sampled tokens' log-probs
+the trainer's way (`trainer_logprobs`, over the same weights in `model.dtype`) three times: at
+the sampling temperature within its top-p nucleus (what the trainer's importance weight
+compares), over the full tempered softmax (which adds the nucleus mass to the ratio) and at
+temperature 1 (the raw logits). Prints, for each, the statistics of the trainer's engine
+importance weight (`grpo.engine_is_weights`, with the tokens outside pi_old's nucleus at ratio 0):
+rho = pi_old / mu (mean, max), the share of tokens past the importance cap, KL(mu || pi_old), the
+share outside the nucleus, and the largest |log-prob difference| inside it; writes them as JSON
+beside the table. ``--dtype`` sets both sides' weights dtype (``bfloat16``: the ratio at
+identical bf16 weights, the run's own under a bf16 config).
 """
 
 from __future__ import annotations
@@ -32,8 +37,15 @@ COLUMNS = (
     "engine_ratio_max",
     "engine_capped_frac",
     "engine_kl",
+    "engine_outside_frac",
     "max_abs_logp_diff",
 )
+
+
+def dtype_overrides(dtype: str | None) -> list[str]:
+    """The `--set` overrides that give the engine and the trainer the weights dtype `dtype`
+    (none: the config's)."""
+    return [] if dtype is None else [f"model.dtype={dtype}", f"generation.dtype={dtype}"]
 
 
 def main() -> None:
@@ -42,10 +54,15 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="weights dtype of both the engine and the trainer (default: the config's)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/out/engine_mismatch"))
     args = parser.parse_args()
     ray_env()
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*args.overrides, *dtype_overrides(args.dtype)])
     model_dir, train_problems, _ = prepare(cfg)
     g = cfg.generation
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -57,7 +74,7 @@ def main() -> None:
     engine = make_backend(
         "vllm",
         model_dir,
-        dtype=cfg.model.dtype,
+        dtype=cfg.engine_dtype,
         max_model_len=g.max_model_len,
         kv_cache_gib=g.kv_cache_gib,
         enforce_eager=True,
@@ -66,7 +83,7 @@ def main() -> None:
     results = engine.generate(requests, params)
     engine.close()
     batch = results_batch(results, tokenizer.pad_token_id or 0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=cfg.model.dtype).eval()
     rows = {}
     for label, temperature, top_p in (
         (
@@ -77,11 +94,12 @@ def main() -> None:
         (f"trainer at T = {g.temperature:g}, full softmax", g.temperature, 1.0),
         ("trainer at T = 1 (raw logits)", 1.0, 1.0),
     ):
-        logp = trainer_logprobs(model, batch, temperature, top_p)
-        rows[label] = mismatch(batch, logp, cfg.training.engine_is_cap)
+        logp, outside = trainer_logprobs(model, batch, temperature, top_p)
+        rows[label] = mismatch(batch, logp, outside, cfg.training.engine_is_cap)
     title = (
         f"{cfg.model.path}: {len(problems)} prompts x {args.n} rollouts, T = {g.temperature:g}, "
-        f"top-p = {g.top_p:g}, {int(batch.response_mask.sum())} tokens, "
+        f"top-p = {g.top_p:g}, engine {cfg.engine_dtype} / trainer {cfg.model.dtype}, "
+        f"{int(batch.response_mask.sum())} tokens, "
         f"cap C = {cfg.training.engine_is_cap:g}"
     )
     cells = [[label, *(f"{stats[c]:.6g}" for c in COLUMNS)] for label, stats in rows.items()]

@@ -27,6 +27,14 @@ killed past ``--limit`` (default 540):
                  about 0.5B parameters (hidden 1024, 24 layers, 16 heads, 4 KV heads, MLP 5120,
                  vocabulary 49,152, tied head: 0.49B) built here, full fine-tune and LoRA: one
                  PolicyTrainer step's log-probs, loss, entropy, grad norm, gradients and weights.
+  nucleus        the trainer's top-p replay (`nucleus_mask`, `nucleus_log_mass`) on 128 rows of
+                 bf16 logits full of ties at the 0.5B's vocabulary, top-p 0.5 to 0.99: on CUDA
+                 against torch's CUDA sort-based filter (the calls of vLLM's PyTorch fallback):
+                 the same kept tokens in every row, cut tied groups included, outside flags
+                 and log mass; the replay on CUDA against the CPU's (rows whose tied group is
+                 cut otherwise, informational); and vLLM's own `apply_top_k_top_p` (its Triton
+                 pivot search on CUDA) only where vllm imports, else SKIP. vLLM's FlashInfer
+                 sampler draws without a mask and is not compared (`cuda_checks.nucleus_ties`).
   trainer-tiny,  PolicyTrainer's CUDA path, ZeRO 0 and 2, fp32 and bf16, full and LoRA, against
   trainer-0.5b   the reference (the 0.5B compares its first, last and non-layer tensors).
   lm-head        the LM head at loss tokens only (`FusedHeadLogprob`) and shared-prefix packing

@@ -1,6 +1,7 @@
 """bench/gpu_check.py on a machine without CUDA: its CPU reference half runs and exits 0, a bf16
 trainer step passes against that reference within the derived tolerances, and a wrong gradient,
-log-prob or weight fails them."""
+log-prob or weight fails them; the nucleus section's cases pass on the CPU's sort and fail a
+filter that keeps whole tied groups."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ gpu_check = importlib.util.module_from_spec(SPEC)
 sys.modules[SPEC.name] = gpu_check
 SPEC.loader.exec_module(gpu_check)  # puts bench/ on sys.path for its parts
 
-from cuda_checks.models import check_batch  # noqa: E402
-from cuda_checks.sections import peak_bf16_flops, reference_path  # noqa: E402
+from cuda_checks import nucleus_ties  # noqa: E402
+from cuda_checks.models import SCALES, check_batch  # noqa: E402
+from cuda_checks.report import Report, read_rows  # noqa: E402
+from cuda_checks.sections import peak_bf16_flops, reference_path, section_nucleus  # noqa: E402
 from cuda_checks.trainer_step import (  # noqa: E402
     LR,
     compare_runs,
@@ -141,3 +144,50 @@ def test_carried_wheels_are_installed_here(tmp_path):
     wheel folder installs nothing and misses nothing."""
     row = gpu_check.install_carried_wheels(tmp_path)
     assert (row.status, row.result) == ("PASS", "installed nothing")
+
+
+CPU = torch.device("cpu")
+
+
+def test_the_nucleus_replay_keeps_what_the_sort_rule_keeps_ties_included():
+    status, result, data = nucleus_ties.sort_rule_case(CPU, vocab=1024, rows=32)
+    assert status == "PASS", result
+    numbers = data["top_p"].values()
+    # the bf16 logits put the boundary inside a tied group in some rows at every top-p
+    assert all(n["rows_cut_in_ties"] > 0 for n in numbers)
+    assert all(n["rows_differ"] == 0 and n["dropped_not_flagged"] == 0 for n in numbers)
+
+
+def test_a_filter_keeping_whole_tied_groups_fails_the_comparison():
+    """A pivot rule that keeps every token tied with the sort's lowest kept one: it differs from
+    the replay exactly in the rows whose boundary cuts a tied group."""
+
+    def whole_groups(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+        kept = torch.isfinite(nucleus_ties.top_p_filter(logits, top_p))
+        floor = logits.masked_fill(~kept, float("inf")).min(dim=-1, keepdim=True).values
+        return logits.masked_fill(logits < floor, float("-inf"))
+
+    def load(device: torch.device):
+        return (lambda logits, k, p: whole_groups(logits, float(p[0]))), "pivot"
+
+    status, result, data = nucleus_ties.vllm_case(CPU, vocab=1024, rows=32, load=load)
+    assert status == "FAIL", result
+    for n in data["top_p"].values():
+        assert n["rows_differ"] == n["rows_cut_in_ties"] > 0
+
+
+def test_the_nucleus_section_writes_its_rows(tmp_path, monkeypatch):
+    """The section in the check's framework on the CPU: vLLM's case SKIPs where vllm does not
+    import (importing it here would take longer than the section), the CPU comparison has
+    nothing to compare."""
+
+    def no_vllm(device: torch.device):
+        raise ImportError("No module named 'vllm'")
+
+    monkeypatch.setattr(nucleus_ties, "_load_vllm", no_vllm)
+    monkeypatch.setattr(nucleus_ties, "ROWS", 16)
+    rows_file = tmp_path / "nucleus.rows.jsonl"
+    section_nucleus(Report(rows_file, math.inf), tmp_path, SCALES["small"])
+    rows = {r.case: r for r in read_rows(rows_file)}
+    assert [r.status for r in rows.values()] == ["PASS", "SKIP", "SKIP"]
+    assert "No module named 'vllm'" in rows["replay = vLLM's filter"].result

@@ -386,7 +386,8 @@ def evaluate(
 
     Returns:
         The summary written to evaluation.json (problems, accuracy, pass_at_k, mean_length,
-        truncated_frac, ...) with `out`, the folder that also holds items.jsonl and
+        truncated_frac, uncomputed: the samples whose trajectory failed on the environment's
+        side, left out of accuracy and pass@k, ...) with `out`, the folder that also holds items.jsonl and
         evaluation.png.
     """
     from workflows.evaluate import run_evaluate

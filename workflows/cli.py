@@ -210,6 +210,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     keys = (
         "out",
         "problems",
+        "problems_scored",
+        "uncomputed",
+        "uncomputed_by_status",
         "accuracy",
         "pass_at_k",
         "mean_length",

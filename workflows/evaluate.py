@@ -5,13 +5,16 @@ directory or an adapter), each scored by the verifier: accuracy (the mean over a
 unbiased pass@1), unbiased pass@k (Chen et al. 2021, arXiv:2107.03374, Eq. 1) for each k <= n,
 mean response length and the share cut at max_tokens; per-item records as JSON lines and a PNG.
 A run with an `env` section is evaluated with its tools or environment (multi-turn, the
-environment's reward where it gives one, as in training) unless told not to.
+environment's reward where it gives one, as in training) unless told not to. As in training, a
+trajectory that failed on the environment's side has an uncomputed reward: it counts in neither
+accuracy nor pass@k, and the summary counts it by status.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from rlvr.envs.rollout import (
     AgentRequest,
     Agents,
     EnvSettings,
+    agent_failure,
     environment_reward,
 )
 from rlvr.generation import make_backend
@@ -34,6 +38,7 @@ from rlvr.generation.base import GenerationRequest, GenerationResult, SamplingPa
 from rlvr.run.metrics import agent_stats
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import render_prompt
+from rlvr.training.rollouts import UNCOMPUTED
 from rlvr.verifiers.factory import make_verifier
 from workflows.checkpoints import resolve_checkpoint, run_config
 
@@ -60,21 +65,74 @@ class Sampling:
             raise ValueError("need --temperature >= 0 and 0 < --top-p <= 1")
 
 
-def summarise(correct: list[list[bool]], lengths: list[list[int]], cut: list[list[bool]]) -> dict:
+def summarise(
+    correct: list[list[bool | None]], lengths: list[list[int]], cut: list[list[bool]]
+) -> dict:
     """Accuracy, unbiased pass@k for k = 1, 2, 4, ... <= n, mean length and the truncated share,
-    from per-problem lists of per-sample results."""
+    from per-problem lists of per-sample results. A None in `correct` is an uncomputed reward:
+    accuracy and pass@k take each problem's scored samples (pass@k those with at least k of
+    them, the estimator's n >= k) and leave out a problem with none; length and truncation
+    count every sample."""
     n = len(correct[0])
+    scored = [[c for c in cs if c is not None] for cs in correct]
     ks = [k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= n]
     return {
         "problems": len(correct),
+        "problems_scored": sum(1 for c in scored if c),
         "samples_per_problem": n,
-        "accuracy": float(np.mean([np.mean(c) for c in correct])),
+        "accuracy": _mean([float(np.mean(c)) for c in scored if c]),
         "pass_at_k": {
-            str(k): float(np.mean([pass_at_k(n, sum(c), k) for c in correct])) for k in ks
+            str(k): _mean([pass_at_k(len(c), sum(c), k) for c in scored if len(c) >= k]) for k in ks
         },
         "mean_length": float(np.mean([np.mean(x) for x in lengths])),
         "truncated_frac": float(np.mean([np.mean(x) for x in cut])),
     }
+
+
+def _mean(values: list[float]) -> float | None:
+    """The mean, None when nothing was scored."""
+    return float(np.mean(values)) if values else None
+
+
+def collect(
+    problems: list[Problem], results: list[GenerationResult], verdicts: list[tuple]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(summary, per-item records) from each problem's result (its samples in order) and every
+    sample's verdict (reward, status, ...) in the same order. A verdict whose status is
+    uncomputed (`UNCOMPUTED`) is neither right nor wrong (None in the record's `correct`); the
+    summary counts them, `uncomputed_by_status` by status."""
+    items, correct, lengths, cut = [], [], [], []
+    start = 0
+    for problem, result in zip(problems, results, strict=True):
+        mine = verdicts[start : start + len(result.samples)]
+        start += len(result.samples)
+        correct.append([None if v[1] in UNCOMPUTED else v[0] >= 1.0 for v in mine])
+        lengths.append([len(s.token_ids) for s in result.samples])
+        cut.append([s.finish_reason == "length" for s in result.samples])
+        items.append(
+            {
+                "id": problem.id,
+                "gold": problem.answer,
+                "correct": correct[-1],
+                "samples": [
+                    {
+                        "text": s.text,
+                        "answer": extract_answer(s.text),
+                        "status": status,
+                        "length": len(s.token_ids),
+                        "finish_reason": s.finish_reason,
+                    }
+                    | ({AGENT_FLAGS: s.flags[AGENT_FLAGS]} if AGENT_FLAGS in s.flags else {})
+                    for s, (_, status, *_) in zip(result.samples, mine, strict=True)
+                ],
+            }
+        )
+    if start != len(verdicts):
+        raise ValueError(f"{len(verdicts)} verdicts for {start} samples")
+    uncomputed = Counter(v[1] for v in verdicts if v[1] in UNCOMPUTED)
+    summary = summarise(correct, lengths, cut)
+    summary |= {"uncomputed": sum(uncomputed.values()), "uncomputed_by_status": dict(uncomputed)}
+    return summary, items
 
 
 def evaluate(
@@ -120,7 +178,6 @@ def evaluate(
     finally:
         engine.close()
     verdicts = score(results, problems, sampling.n, verifier, verifier_timeout_s)
-    items, correct, lengths, cut = [], [], [], []
     if env is not None:  # one result per trajectory: regroup them by problem
         n = sampling.n
         results = [
@@ -131,30 +188,7 @@ def evaluate(
             )
             for i, p in enumerate(problems)
         ]
-    for i, (problem, result) in enumerate(zip(problems, results, strict=True)):
-        mine = verdicts[i * sampling.n : (i + 1) * sampling.n]
-        correct.append([v[0] >= 1.0 for v in mine])
-        lengths.append([len(s.token_ids) for s in result.samples])
-        cut.append([s.finish_reason == "length" for s in result.samples])
-        items.append(
-            {
-                "id": problem.id,
-                "gold": problem.answer,
-                "correct": correct[-1],
-                "samples": [
-                    {
-                        "text": s.text,
-                        "answer": extract_answer(s.text),
-                        "status": status,
-                        "length": len(s.token_ids),
-                        "finish_reason": s.finish_reason,
-                    }
-                    | ({AGENT_FLAGS: s.flags[AGENT_FLAGS]} if AGENT_FLAGS in s.flags else {})
-                    for s, (_, status, *_) in zip(result.samples, mine, strict=True)
-                ],
-            }
-        )
-    summary = summarise(correct, lengths, cut)
+    summary, items = collect(problems, results, verdicts)
     if env is not None:
         summary["agent"] = agent_stats([s.flags for r in results for s in r.samples])
     return summary, items
@@ -168,19 +202,27 @@ def score(
     timeout_s: float,
 ) -> list[tuple]:
     """Each sample's verdict (reward, status, ...) in result order; a multi-turn environment's
-    reward, where it gave one, replaces the verifier's (status "environment")."""
+    reward, where it gave one, replaces the verifier's (status "environment"). A trajectory that
+    failed on the environment's side is not verified (its last message is no answer): its
+    verdict is (0.0, its end reason), an uncomputed reward, as in training."""
     samples = [s for r in results for s in r.samples]
     golds = [p.answer for p in problems for _ in range(n)]
     prompt_texts = [p.prompt for p in problems for _ in range(n)]
     metadata = [dict(p.metadata) for p in problems for _ in range(n)]
-    with make_verifier(**(verifier or {}), timeout=timeout_s) as scorer:
-        verdicts = scorer.verify_batch(
-            [s.text for s in samples], golds, prompts=prompt_texts, metadata=metadata
-        )
-    for i, sample in enumerate(samples):
-        reward = environment_reward(sample.flags)
-        if reward is not None:
-            verdicts[i] = (reward, ENVIRONMENT_STATUS, *verdicts[i][2:])
+    verdicts: list[tuple] = [(0.0, agent_failure(s.flags)) for s in samples]
+    rows = [i for i, v in enumerate(verdicts) if v[1] is None]
+    scored = []
+    if rows:
+        with make_verifier(**(verifier or {}), timeout=timeout_s) as scorer:
+            scored = scorer.verify_batch(
+                [samples[i].text for i in rows],
+                [golds[i] for i in rows],
+                prompts=[prompt_texts[i] for i in rows],
+                metadata=[metadata[i] for i in rows],
+            )
+    for i, verdict in zip(rows, scored, strict=True):
+        reward = environment_reward(samples[i].flags)
+        verdicts[i] = verdict if reward is None else (reward, ENVIRONMENT_STATUS, *verdict[2:])
     return verdicts
 
 
@@ -192,10 +234,12 @@ def plot(summary: dict[str, Any], items: list[dict[str, Any]], out: Path) -> Pat
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    ks = [int(k) for k in summary["pass_at_k"]]
-    left.plot(ks, list(summary["pass_at_k"].values()), marker="o")
+    scored = {int(k): v for k, v in summary["pass_at_k"].items() if v is not None}
+    ks = list(scored) or [1]
+    left.plot(list(scored), list(scored.values()), marker="o")
     left.set(xscale="log", xticks=ks, xticklabels=ks, ylim=(0, 1), xlabel="k", ylabel="pass@k")
-    left.set_title(f"accuracy {summary['accuracy']:.3f} on {summary['problems']} problems")
+    accuracy = "n/a" if summary["accuracy"] is None else f"{summary['accuracy']:.3f}"
+    left.set_title(f"accuracy {accuracy} on {summary['problems_scored']} scored problems")
     for ok, label in ((True, "correct"), (False, "wrong")):
         lens = [
             s["length"]
@@ -206,7 +250,8 @@ def plot(summary: dict[str, Any], items: list[dict[str, Any]], out: Path) -> Pat
         if lens:
             right.hist(lens, bins=30, alpha=0.6, label=f"{label} ({len(lens)})")
     right.set(xlabel="response tokens", ylabel="samples")
-    right.legend()
+    if right.get_legend_handles_labels()[0]:
+        right.legend()
     fig.tight_layout()
     path = out / "evaluation.png"
     fig.savefig(path, dpi=110)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-PASS, FAIL, DONE, SKIPPED_TIME = "PASS", "FAIL", "done", "SKIPPED (time)"
+PASS, FAIL, DONE, SKIP, SKIPPED_TIME = "PASS", "FAIL", "done", "SKIP", "SKIPPED (time)"
 CaseOutcome = tuple[str, str, dict[str, Any]]
 """(status, result text, raw numbers) of one case."""
 

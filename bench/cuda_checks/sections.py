@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from cuda_checks import ROOT
 from cuda_checks.models import Scale, build_large_model, check_batch, group_batch
+from cuda_checks.nucleus_ties import cpu_case, sort_rule_case, vllm_case
 from cuda_checks.report import DONE, FAIL, PASS, CaseOutcome, Report
 from cuda_checks.trainer_step import (
     LR,
@@ -470,8 +471,19 @@ def section_gpu_tests(report: Report, work: Path, scale: Scale) -> None:
     report.case("gpu-tests", "pytest -m gpu", case)
 
 
+def section_nucleus(report: Report, work: Path, scale: Scale) -> None:
+    """The trainer's top-p replay on bf16 logits full of ties (`cuda_checks.nucleus_ties`), at
+    the large model's vocabulary: against the sort rule on this device, the replay on the CPU,
+    and vLLM's own filter where vllm imports."""
+    device = compute_device()
+    report.case("nucleus", "replay = sort rule", lambda: sort_rule_case(device, scale.vocab))
+    report.case("nucleus", "replay vs the CPU's", lambda: cpu_case(device, scale.vocab))
+    report.case("nucleus", "replay = vLLM's filter", lambda: vllm_case(device, scale.vocab))
+
+
 SECTIONS: dict[str, Callable[[Report, Path, Scale], None]] = {
     "reference": section_reference,
+    "nucleus": section_nucleus,
     "trainer-tiny": lambda report, work, scale: section_trainer(report, work, "tiny", TINY_VOCAB),
     "lm-head": section_lm_head,
     "ipc": section_ipc,
@@ -479,8 +491,8 @@ SECTIONS: dict[str, Callable[[Report, Path, Scale], None]] = {
     "trainer-0.5b": lambda report, work, scale: section_trainer(report, work, "large", scale.vocab),
     "gpu-tests": section_gpu_tests,
 }
-"""In running order: the reference first (every trainer row compares with it), then what has
-never run on a GPU, then the trainer on the 0.5B (slowest), then the tests that have."""
+"""In running order: the reference first (every trainer row compares with it), the top-p
+replay (seconds), then what has never run on a GPU, then the trainer on the 0.5B (slowest), then the tests that have."""
 CPU_SECTIONS = ("reference",)
 """Sections that run on the CPU wherever the check runs (the reference is CPU fp32 by
 definition); the others run where CUDA is."""

@@ -40,30 +40,38 @@ def trainer_logprobs(
     temperature: float,
     top_p: float = 1.0,
     micro_batch_size: int = 16,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of a plain HF model over `batch` at `temperature` (``[B, T]``, CPU),
-    within the top-p nucleus when ``top_p`` < 1."""
+    within the top-p nucleus when ``top_p`` < 1, as the trainer's forward computes them; and the
+    response tokens outside that nucleus (``[B, T]`` bool; None when ``top_p`` is 1)."""
     out = torch.zeros(batch.input_ids.shape)
+    outside = torch.zeros(batch.input_ids.shape, dtype=torch.bool) if top_p < 1.0 else None
     for start in range(0, len(batch), micro_batch_size):
         mb = batch.micro_batch(start, min(start + micro_batch_size, len(batch)))
+        rows, width = slice(start, start + len(mb)), mb.input_ids.shape[1]
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
         logp = token_logprobs(logits, mb.input_ids, temperature)
-        if top_p < 1.0:
-            log_mass, _ = token_nucleus_log_mass(
+        if outside is not None:
+            log_mass, outside[rows, :width] = token_nucleus_log_mass(
                 logits, mb.input_ids, mb.response_mask, temperature, top_p
             )
             logp = logp - log_mass
-        out[start : start + len(mb), : mb.input_ids.shape[1]] = logp
-    return out
+        out[rows, :width] = logp
+    return out, outside
 
 
-def mismatch(batch: TrainBatch, logp: torch.Tensor, cap: float = 2.0) -> dict[str, float]:
-    """The engine/trainer ratio statistics of `grpo.engine_is_weights` plus the largest absolute
-    log-prob difference, over the response tokens the engine sampled."""
+def mismatch(
+    batch: TrainBatch, logp: torch.Tensor, outside: torch.Tensor | None = None, cap: float = 2.0
+) -> dict[str, float]:
+    """The engine/trainer ratio statistics of `grpo.engine_is_weights` (``outside``: the tokens
+    outside pi_old's nucleus, from `trainer_logprobs`) plus the largest absolute log-prob
+    difference, over the sampled response tokens whose trainer log-prob is defined (inside)."""
     _, stats = engine_is_weights(
-        logp, batch.rollout_logp, batch.response_mask, "tis", cap, forced=batch.forced
+        logp, batch.rollout_logp, batch.response_mask, "tis", cap, outside, batch.forced
     )
     compared = batch.response_mask if batch.forced is None else batch.response_mask & ~batch.forced
+    if outside is not None:
+        compared = compared & ~outside
     diff = (logp - batch.rollout_logp).abs()
     out = {key: float(value) for key, value in stats.items()}
     out["max_abs_logp_diff"] = float(torch.where(compared, diff, 0.0).max())
@@ -71,27 +79,39 @@ def mismatch(batch: TrainBatch, logp: torch.Tensor, cap: float = 2.0) -> dict[st
 
 
 class MismatchTally:
-    """Token-weighted running means (and the max) of `grpo.engine_is_weights`'s statistics over
-    the micro-batches of an update."""
+    """Running means (and the max) of `grpo.engine_is_weights`'s statistics over the
+    micro-batches of an update, each weighted by the tokens it is a mean over: the compared
+    tokens, or for engine_kl those inside pi_old's nucleus."""
 
-    MEANS = ("engine_ratio_mean", "engine_capped_frac", "engine_kl", "engine_outside_frac")
+    MEANS = {
+        "engine_ratio_mean": "engine_tokens",
+        "engine_capped_frac": "engine_tokens",
+        "engine_kl": "engine_inside_tokens",
+        "engine_outside_frac": "engine_tokens",
+    }
+    COUNTS = ("engine_tokens", "engine_inside_tokens")
 
     def __init__(self) -> None:
         self.sums = dict.fromkeys(self.MEANS, 0.0)
-        self.tokens = 0.0
+        self.counts = dict.fromkeys(self.COUNTS, 0.0)
         self.ratio_max = 0.0
 
     def add(self, stats: dict[str, torch.Tensor]) -> None:
-        n = float(stats["engine_tokens"])
-        for key in self.MEANS:
-            self.sums[key] += float(stats[key]) * n
-        self.tokens += n
-        if n:
+        for key, count in self.MEANS.items():
+            self.sums[key] += float(stats[key]) * float(stats[count])
+        for count in self.COUNTS:
+            self.counts[count] += float(stats[count])
+        if float(stats["engine_tokens"]):
             self.ratio_max = max(self.ratio_max, float(stats["engine_ratio_max"]))
 
     def summary(self, all_reduce: Callable[..., list[float]]) -> dict[str, float]:
-        *sums, tokens = all_reduce([*self.sums.values(), self.tokens], "sum")
+        reduced = all_reduce([*self.sums.values(), *self.counts.values()], "sum")
+        sums = dict(zip(self.MEANS, reduced[: len(self.MEANS)], strict=True))
+        counts = dict(zip(self.COUNTS, reduced[len(self.MEANS) :], strict=True))
         (ratio_max,) = all_reduce([self.ratio_max], "max")
-        out = {key: s / tokens if tokens else 0.0 for key, s in zip(self.MEANS, sums, strict=True)}
-        out["engine_ratio_max"] = ratio_max if tokens else 1.0
+        out = {
+            key: sums[key] / counts[count] if counts[count] else 0.0
+            for key, count in self.MEANS.items()
+        }
+        out["engine_ratio_max"] = ratio_max if counts["engine_tokens"] else 1.0
         return out

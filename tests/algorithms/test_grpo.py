@@ -283,6 +283,7 @@ def test_engine_is_weights_tis_mask_and_stats():
     assert stats["engine_kl"].item() == pytest.approx(kl, rel=1e-5)
     assert stats["engine_outside_frac"].item() == pytest.approx(1 / 5)
     assert stats["engine_tokens"].item() == 5
+    assert stats["engine_inside_tokens"].item() == 4
     with pytest.raises(ValueError, match="one of"):
         engine_is_weights(old, rollout, mask, "clip")
     with pytest.raises(ValueError, match="cap"):

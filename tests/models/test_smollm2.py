@@ -82,7 +82,7 @@ def test_trainer_logprobs_match_vllm_at_the_sampling_temperature(smollm2):
         engine.close()
     batch = results_batch(results, tok.pad_token_id or 0)
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    tempered = mismatch(batch, trainer_logprobs(model, batch, temperature=0.7))
+    tempered = mismatch(batch, *trainer_logprobs(model, batch, temperature=0.7))
     assert tempered["engine_tokens"] > 200
     assert tempered["max_abs_logp_diff"] < 5e-4
-    assert mismatch(batch, trainer_logprobs(model, batch, 1.0))["max_abs_logp_diff"] > 1.0
+    assert mismatch(batch, *trainer_logprobs(model, batch, 1.0))["max_abs_logp_diff"] > 1.0

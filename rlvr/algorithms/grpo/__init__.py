@@ -110,7 +110,8 @@ def engine_is_weights(
     tokens (`mask` and not `forced`): engine_ratio_mean / engine_ratio_max (rho),
     engine_capped_frac (rho > cap), engine_kl, the k1 estimate of KL(mu || pi_old) =
     E_mu[rollout_logp - old_logp] over the compared tokens inside pi_old's nucleus (outside it
-    log rho is -inf), and engine_outside_frac (the share of `outside` tokens).
+    log rho is -inf), engine_outside_frac (the share of `outside` tokens), and the token counts
+    the means are over: engine_tokens (compared) and engine_inside_tokens (engine_kl's).
     """
     if mode not in ENGINE_IS_MODES:
         raise ValueError(f"engine importance mode must be one of {ENGINE_IS_MODES}, got {mode!r}")
@@ -139,6 +140,7 @@ def engine_is_weights(
             "engine_kl": masked_mean(-log_rho, inside),
             "engine_outside_frac": masked_mean(out.to(old_logp.dtype), compared),
             "engine_tokens": compared.sum().to(old_logp.dtype),
+            "engine_inside_tokens": inside.sum().to(old_logp.dtype),
         }
     return weights, stats
 
