@@ -4,14 +4,14 @@ Opt-in (`RLVR_TEST_STARTS=starts.jsonl pytest ...`): one JSON line per test with
 and teardown seconds, the Ray clusters started meanwhile (a driver's `ray.init`, or the session
 fixture's: one new `session_*` folder under Ray's temp root each) and the engines started
 (`ray::GeneratorActor` worker processes seen by a poller, plus engines built in the test process).
-`python tests/start_counts.py starts.jsonl` prints the table docs/development.md keeps.
+`python tests/start_counts.py starts.jsonl` prints the tables docs/development.md keeps.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -95,10 +95,10 @@ def summarize(path: Path, top: int = 25) -> str:
         by_file[r["test"].split("::")[0]] += r["total"]
     lines = [
         f"{len(rows)} tests, {sum(r['total'] for r in rows) / 60:.1f} min of test time, "
-        f"{sum(r['drivers'] for r in rows)} Ray clusters started, "
+        f"{sum(r['drivers'] for r in rows)} drivers (Ray clusters) started, "
         f"{sum(r['engines'] for r in rows)} engines started",
         "",
-        "| test | setup s | call s | teardown s | clusters | engines |",
+        "| test | setup s | call s | teardown s | drivers | engines |",
         "|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: -r["total"])[:top]:
@@ -119,4 +119,8 @@ def counter_from_env() -> StartCounter | None:
 
 
 if __name__ == "__main__":
-    print(summarize(Path(sys.argv[1]), *(int(a) for a in sys.argv[2:3])))
+    parser = argparse.ArgumentParser(description="The slowest tests of a RLVR_TEST_STARTS file.")
+    parser.add_argument("starts", type=Path, help="the JSON lines a suite run wrote")
+    parser.add_argument("--top", type=int, default=25, help="how many tests and files to list")
+    args = parser.parse_args()
+    print(summarize(args.starts, args.top))

@@ -157,12 +157,19 @@ def test_engine_importance_weights_enter_the_loss(model_dir, mode):
     logp = trainer.logprobs(batch)
     mask = batch.response_mask
     # engine/trainer ratio rho = exp(old - rollout): 0.5 on row 0, 3 (past the cap) on row 3,
-    # 1 elsewhere; one token of row 2 was forced by the engine (log-prob exactly 0).
+    # 1 elsewhere; the last token of row 2 was forced by a stop rule (log-prob exactly 0, flagged
+    # in `forced`), and one token of row 1 the engine drew from a one-token nucleus (log-prob
+    # exactly 0 too, not flagged): only the flag leaves a token unweighted.
     rho = torch.ones_like(logp)
     rho[0], rho[3] = 0.5, 3.0
-    batch.rollout_logp = torch.where(mask, logp - rho.log(), torch.zeros_like(logp))
     forced = (2, int(mask[2].nonzero()[-1]))
+    certain = (1, int(mask[1].nonzero()[0]))
+    rho[certain] = logp[certain].exp()  # rollout log-prob 0: rho = pi_old / 1
+    batch.rollout_logp = torch.where(mask, logp - rho.log(), torch.zeros_like(logp))
     batch.rollout_logp[forced] = 0.0
+    batch.rollout_logp[certain] = 0.0
+    batch.forced = torch.zeros_like(mask)
+    batch.forced[forced] = True
     out = trainer.train_step(batch)
     compared = mask.clone()
     compared[forced] = False
