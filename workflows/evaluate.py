@@ -26,12 +26,10 @@ from rlvr.answers import extract_answer
 from rlvr.config import Config, ConfigError
 from rlvr.envs.rollout import (
     AGENT_FLAGS,
-    ENVIRONMENT_STATUS,
     AgentRequest,
     Agents,
     EnvSettings,
-    agent_failure,
-    environment_reward,
+    trajectory_verdicts,
 )
 from rlvr.generation import make_backend
 from rlvr.generation.base import GenerationRequest, GenerationResult, SamplingParams
@@ -209,21 +207,17 @@ def score(
     golds = [p.answer for p in problems for _ in range(n)]
     prompt_texts = [p.prompt for p in problems for _ in range(n)]
     metadata = [dict(p.metadata) for p in problems for _ in range(n)]
-    verdicts: list[tuple] = [(0.0, agent_failure(s.flags)) for s in samples]
-    rows = [i for i, v in enumerate(verdicts) if v[1] is None]
-    scored = []
-    if rows:
+
+    def verify_rows(rows: list[int]) -> list[tuple]:
         with make_verifier(**(verifier or {}), timeout=timeout_s) as scorer:
-            scored = scorer.verify_batch(
+            return scorer.verify_batch(
                 [samples[i].text for i in rows],
                 [golds[i] for i in rows],
                 prompts=[prompt_texts[i] for i in rows],
                 metadata=[metadata[i] for i in rows],
             )
-    for i, verdict in zip(rows, scored, strict=True):
-        reward = environment_reward(samples[i].flags)
-        verdicts[i] = verdict if reward is None else (reward, ENVIRONMENT_STATUS, *verdict[2:])
-    return verdicts
+
+    return trajectory_verdicts([s.flags for s in samples], verify_rows)
 
 
 def plot(summary: dict[str, Any], items: list[dict[str, Any]], out: Path) -> Path:

@@ -18,12 +18,7 @@ import ray
 from actors.controller import NAMESPACE
 from actors.reference import ReferenceActor
 from rlvr.config import Config
-from rlvr.envs.rollout import (
-    ENVIRONMENT_STATUS,
-    AgentRequest,
-    agent_failure,
-    environment_reward,
-)
+from rlvr.envs.rollout import AgentRequest, trajectory_verdicts
 from rlvr.generation.base import GenerationRequest, SamplingParams
 from rlvr.methods.base import ReferenceModel
 from rlvr.tasks.base import Problem
@@ -165,30 +160,23 @@ class RunServices:
         return Rollouts.from_results(results, golds)
 
     def verify(self, rollouts: Rollouts) -> None:
-        """Rewards and statuses of `rollouts`. A trajectory that failed on the environment's side
-        is not scored (its last message is no answer): its reward is uncomputed, a 0.0 with its
-        end reason as status, as the verifier's own failures are."""
-        failed = {i: reason for i, f in enumerate(rollouts.flags) if (reason := agent_failure(f))}
-        rows = [i for i in range(len(rollouts)) if i not in failed]
-        context = {}
-        if "python" in self.cfg.verifier.kinds():  # plug-ins read the problem; the others do not
-            problems = [self._problem(rollouts.group_ids[i]) for i in rows]
-            context = {
-                "prompts": [p.prompt if p else "" for p in problems],
-                "metadata": [dict(p.metadata) if p else {} for p in problems],
-            }
-        texts, golds = [rollouts.texts[i] for i in rows], [rollouts.golds[i] for i in rows]
-        verdicts = self.comps.verifier.score(texts, golds, **context) if rows else []
-        scored = dict(zip(rows, verdicts, strict=True))
-        scored.update({i: (0.0, reason, {}) for i, reason in failed.items()})
-        scored = [scored[i] for i in range(len(rollouts))]
+        """Rewards and statuses of `rollouts` (`trajectory_verdicts`: a trajectory that failed on
+        the environment's side is uncomputed, as the verifier's own failures are)."""
+
+        def verify_rows(rows: list[int]) -> list[tuple]:
+            context = {}
+            if "python" in self.cfg.verifier.kinds():  # plug-ins read the problem; others do not
+                problems = [self._problem(rollouts.group_ids[i]) for i in rows]
+                context = {
+                    "prompts": [p.prompt if p else "" for p in problems],
+                    "metadata": [dict(p.metadata) if p else {} for p in problems],
+                }
+            texts, golds = [rollouts.texts[i] for i in rows], [rollouts.golds[i] for i in rows]
+            return self.comps.verifier.score(texts, golds, **context)
+
+        scored = trajectory_verdicts(rollouts.flags, verify_rows)
         rollouts.rewards = np.array([s[0] for s in scored], dtype=np.float64)
         rollouts.statuses = [s[1] for s in scored]
-        # a multi-turn environment's own reward, where it gave one, replaces the verifier's
-        for i in rows:
-            reward = environment_reward(rollouts.flags[i])
-            if reward is not None:
-                rollouts.rewards[i], rollouts.statuses[i] = reward, ENVIRONMENT_STATUS
         if self.cfg.verifier.rewards:
             rollouts.reward_parts = [s[2] if len(s) > 2 else {} for s in scored]
 

@@ -74,6 +74,21 @@ def environment_reward(flags: dict[str, Any]) -> float | None:
     return flags.get(AGENT_FLAGS, {}).get("env_reward")
 
 
+def trajectory_verdicts(
+    flags: Sequence[dict[str, Any]], verify: Callable[[list[int]], list[tuple]]
+) -> list[tuple]:
+    """Each rollout's verdict (reward, status, ...), training's and evaluation's alike: a
+    trajectory that failed on the environment's side is not verified (its last message is no
+    answer) and gets (0.0, its end reason, {}), an uncomputed reward; `verify(rows)` scores the
+    others, whose environment's own reward, where it gave one, replaces the verifier's."""
+    verdicts: list[tuple] = [(0.0, reason, {}) for reason in map(agent_failure, flags)]
+    rows = [i for i, v in enumerate(verdicts) if v[1] is None]
+    for i, verdict in zip(rows, verify(rows) if rows else [], strict=True):
+        reward = environment_reward(flags[i])
+        verdicts[i] = verdict if reward is None else (reward, ENVIRONMENT_STATUS, *verdict[2:])
+    return verdicts
+
+
 @dataclass(frozen=True)
 class EnvSettings:
     """How rollouts run in an environment (the config's `env` section, as plain data that crosses

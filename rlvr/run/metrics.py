@@ -6,6 +6,7 @@ Pure functions over plain lists so the driver, the bench and the tests compute t
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -81,17 +82,17 @@ def uncomputed_stats(statuses: Sequence[str], max_share: float, where: str) -> d
     or the trajectory's environment did; each a 0.0 that says nothing about its answer), their
     share and their count per status; past `max_share` (`verifier.max_uncomputed_share`) the
     rewards are damaged, and this fails loudly, naming `where`, the share and the statuses."""
-    failed = sorted(s for s in statuses if s in UNCOMPUTED)
-    by_status = {s: failed.count(s) for s in dict.fromkeys(failed)}
-    share = len(failed) / len(statuses) if statuses else 0.0
+    by_status = dict(sorted(Counter(s for s in statuses if s in UNCOMPUTED).items()))
+    failed = sum(by_status.values())
+    share = failed / len(statuses) if statuses else 0.0
     if share > max_share:
         counts = ", ".join(f"{s} {n}" for s, n in by_status.items())
         raise UncomputedRewards(
-            f"{where}: {len(failed)} of {len(statuses)} rewards uncomputed (share {share:.3g} > "
+            f"{where}: {failed} of {len(statuses)} rewards uncomputed (share {share:.3g} > "
             f"verifier.max_uncomputed_share={max_share:g}), by status: {counts}; "
             "the step is not committed"
         )
-    out = {"reward_uncomputed": len(failed), "reward_uncomputed_frac": share}
+    out = {"reward_uncomputed": failed, "reward_uncomputed_frac": share}
     out.update({f"reward_uncomputed_{s}": n for s, n in by_status.items()})
     return out
 
