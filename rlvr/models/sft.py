@@ -18,7 +18,7 @@ from tqdm import tqdm
 from rlvr.answers import last_boxed
 from rlvr.envs.rollout import EnvSettings
 from rlvr.envs.traces import tool_call_examples
-from rlvr.models.tiny import publish_dir, staging_dir
+from rlvr.models.tiny import build_lock, publish_dir, staging_dir
 from rlvr.tasks.base import Problem
 from rlvr.tasks.prompts import DEFAULT_INSTRUCTION, render_prompt
 
@@ -95,51 +95,52 @@ def sft_warmup(
     if tool_traces is not None:
         params["tool_traces"] = tool_traces.described()
     fingerprint = _fingerprint(model_dir, problems, params)
-    marker = out / MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
-        return out
+    with build_lock(out):
+        marker = out / MARKER
+        if marker.is_file() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
+            return out
 
-    torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    if tool_traces is not None:
-        examples = tool_call_examples(tool_traces, tokenizer, problems)
-    else:
-        examples = [
-            (
-                render_prompt(tokenizer, p, instruction, chat_template),
-                tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [eos],
-            )
-            for p in problems
-        ]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.0, 1 - s / steps)
-    )
-    draw = torch.Generator().manual_seed(seed)
-    model.train()
-    loss = torch.tensor(float("nan"))
-    # minutes on a real model: the bar says how far, the loss whether it learns
-    bar = tqdm(range(steps), desc=f"SFT warm-up {model_dir.name}", unit="step", leave=False)
-    for _ in bar:
-        picked = torch.randint(len(examples), (batch_size,), generator=draw).tolist()
-        loss = model(**_batch([examples[i] for i in picked], pad)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        torch.manual_seed(seed)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        if tool_traces is not None:
+            examples = tool_call_examples(tool_traces, tokenizer, problems)
+        else:
+            examples = [
+                (
+                    render_prompt(tokenizer, p, instruction, chat_template),
+                    tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [eos],
+                )
+                for p in problems
+            ]
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS) * max(0.0, 1 - s / steps)
+        )
+        draw = torch.Generator().manual_seed(seed)
+        model.train()
+        loss = torch.tensor(float("nan"))
+        # minutes on a real model: the bar says how far, the loss whether it learns
+        bar = tqdm(range(steps), desc=f"SFT warm-up {model_dir.name}", unit="step", leave=False)
+        for _ in bar:
+            picked = torch.randint(len(examples), (batch_size,), generator=draw).tolist()
+            loss = model(**_batch([examples[i] for i in picked], pad)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
 
-    staging = staging_dir(out)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    (staging / MARKER).write_text(
-        json.dumps({"fingerprint": fingerprint, "final_loss": loss.item(), **params})
-    )
-    return publish_dir(staging, out)
+        staging = staging_dir(out)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / MARKER).write_text(
+            json.dumps({"fingerprint": fingerprint, "final_loss": loss.item(), **params})
+        )
+        return publish_dir(staging, out)
 
 
 def boxed_answer_matches(response: str, gold: str) -> bool:

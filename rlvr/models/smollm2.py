@@ -10,7 +10,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from rlvr.models.tiny import publish_dir, staging_dir
+from rlvr.models.tiny import build_lock, publish_dir, staging_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "rlvr_materialized.json"
@@ -39,28 +39,29 @@ def materialize_smollm2(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     gguf = smollm2_gguf()
     source = {"gguf": gguf.name, "bytes": gguf.stat().st_size}
-    marker = out / MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == source:
-        return out
+    with build_lock(out):
+        marker = out / MARKER
+        if marker.is_file() and json.loads(marker.read_text()) == source:
+            return out
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    dequantized = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    config = dequantized.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    # A model built from the clean config is an ordinary (serializable) model with the same weights.
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(dequantized.state_dict())
-    model.generation_config = dequantized.generation_config
-    # The GGUF carries no length limit for the tokenizer; the model's context is the honest one.
-    tokenizer.model_max_length = config.max_position_embeddings
-    staging = staging_dir(out)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    (staging / MARKER).write_text(json.dumps(source))
-    return publish_dir(staging, out)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        dequantized = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        config = dequantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        # A model built from the clean config is an ordinary (serializable) model with the same weights.
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(dequantized.state_dict())
+        model.generation_config = dequantized.generation_config
+        # The GGUF carries no length limit for the tokenizer; the model's context is the honest one.
+        tokenizer.model_max_length = config.max_position_embeddings
+        staging = staging_dir(out)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / MARKER).write_text(json.dumps(source))
+        return publish_dir(staging, out)

@@ -9,11 +9,13 @@ fingerprint is reused as is.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -85,6 +87,16 @@ def default_corpus() -> list[str]:
 
     task = ArithmeticTask(ArithmeticDifficulty(1, 4, 100, "+-*", "mixed"), seed=0)
     return [*task.corpus(1500), DEFAULT_INSTRUCTION]
+
+
+@contextmanager
+def build_lock(out: Path) -> Iterator[None]:
+    """Hold `out`'s build lock (a file beside it): processes that build one cache entry at once
+    build it once, the later ones waiting and then finding it built."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def staging_dir(out: Path) -> Path:
@@ -166,20 +178,21 @@ def build_tiny_model(
     if arch != "qwen2":
         # Qwen2 builds keep the fingerprint they had before there was a choice (caches stay valid).
         fingerprint["model_type"] = arch
-    marker = out / FINGERPRINT
-    if marker.is_file() and json.loads(marker.read_text()) == fingerprint:
-        return out
+    with build_lock(out):
+        marker = out / FINGERPRINT
+        if marker.is_file() and json.loads(marker.read_text()) == fingerprint:
+            return out
 
-    tokenizer = _train_tokenizer(texts)
-    torch.manual_seed(seed)
-    model = _model(arch, tokenizer)
-    staging = staging_dir(out)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    (staging / FINGERPRINT).write_text(json.dumps(fingerprint))
-    return publish_dir(staging, out)
+        tokenizer = _train_tokenizer(texts)
+        torch.manual_seed(seed)
+        model = _model(arch, tokenizer)
+        staging = staging_dir(out)
+        model.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.eos_token_id,
+        )
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / FINGERPRINT).write_text(json.dumps(fingerprint))
+        return publish_dir(staging, out)

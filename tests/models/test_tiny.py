@@ -170,3 +170,32 @@ def test_resolve_model_path_errors(tmp_path):
         resolve_model_path(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert resolve_model_path(str(tmp_path)) == tmp_path
+
+
+def test_builders_of_one_entry_at_once_build_it_once(tmp_path, monkeypatch):
+    """Two processes resolving one cache entry at once (two runs, two test workers): the later
+    waits on the entry's lock and finds it built, rather than replacing it under a reader."""
+    import threading
+
+    from rlvr.models import tiny as tiny_module
+
+    publish = tiny_module.publish_dir
+    published = []
+
+    def counted(staging, out):
+        published.append(out)
+        return publish(staging, out)
+
+    monkeypatch.setattr(tiny_module, "publish_dir", counted)
+    out = tmp_path / "tiny"
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(build_tiny_model(out, seed=0)))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [out, out] and published == [out]
+    assert (out / FINGERPRINT).is_file()
