@@ -31,7 +31,7 @@ def _text(cell: nbformat.NotebookNode) -> str:
     return "".join(parts)
 
 
-def test_notebook_inspects_a_finished_run(tiny_run_dir, monkeypatch):
+def test_notebook_inspects_a_finished_run(tiny_run_dir, ray_cluster, monkeypatch):
     run_dir = Path(tiny_run_dir)
     png = run_dir / "inspect.png"
     png.unlink(missing_ok=True)
@@ -40,6 +40,9 @@ def test_notebook_inspects_a_finished_run(tiny_run_dir, monkeypatch):
         "commit the notebook with its outputs cleared"
     )
     monkeypatch.setenv("RLVR_RUN_DIR", str(run_dir))
+    # The cluster it looks on for the run's controller: this session's, which holds none. Left to
+    # "auto" it would take the newest cluster on the machine, another test's live run maybe.
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.get_runtime_context().gcs_address)
 
     # raises CellExecutionError if any cell fails
     NotebookClient(

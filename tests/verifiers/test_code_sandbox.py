@@ -38,12 +38,29 @@ def _run(code: str, mode: str, timeout: float = TIMEOUT, stdin: str = ""):
     return run_python(code, stdin, timeout=timeout, limits=Limits(cpu_s=5), mode=mode)
 
 
+def _other_test_workers() -> set[int]:
+    """The pids of the other pytest-xdist workers (none without workers): their tests' sandboxes
+    run beside this one's and are theirs to account for."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return set()
+    me = psutil.Process()
+    return {c.pid for c in me.parent().children()} - {me.pid}
+
+
 def _sandbox_processes() -> list[psutil.Process]:
+    """Processes running as a sandbox user, those under another test worker aside (one that
+    escaped its sandbox's process tree is counted wherever it came from)."""
+    others = _other_test_workers()
     out = []
     for p in psutil.process_iter(["uids"]):
         uids = p.info["uids"]
-        if uids is not None and uids.real in SANDBOX_UIDS:
-            out.append(p)
+        if uids is None or uids.real not in SANDBOX_UIDS:
+            continue
+        try:
+            if others.isdisjoint(a.pid for a in p.parents()):
+                out.append(p)
+        except psutil.NoSuchProcess:  # ended meanwhile
+            continue
     return out
 
 
