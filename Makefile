@@ -34,11 +34,16 @@ endif
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Two workers (pytest-xdist): most of the suite's time is runs that leave a core idle; one
+# file's tests, or one shared run's, stay on one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: setup
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q $(XDIST)
 
 test-fast: setup
-	$(VENV)/bin/pytest -q -m "not slow and not ray"
+	$(VENV)/bin/pytest -q $(XDIST) -m "not slow and not ray"
 
 demo: setup
 	$(VENV)/bin/rlvr demo

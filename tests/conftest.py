@@ -21,9 +21,53 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["WANDB_MODE"] = "offline"  # a test run never reaches W&B's servers, keys or not
 
 
+# The files whose tests share the session's finished tiny run (`tiny_run_dir`): under `make
+# test`'s workers (pytest-xdist, `--dist loadfile`) they run on one worker, so it runs once.
+SHARED_RUN_FILES = frozenset(
+    f"tests/integration/{name}.py"
+    for name in ("test_train_workflow", "test_recovery", "test_notebook")
+)
+# Where the runs are: these folders' files are handed to the workers first, the longest work
+# first, so no worker is left alone with a long test at the end.
+FIRST = ("tests/integration/", "tests/actors/", "tests/models/", "tests/generation/")
+
+
+def test_file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile`, each file's tests on one worker, with the shared run's files as one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedRunScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = test_file(nodeid)
+            return "tiny_run_dir" if path in SHARED_RUN_FILES else path
+
+    return SharedRunScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` are skipped, with the reason, where no CUDA device is visible, and
-    those marked `two_ranks` where exactly one is (NCCL refuses two ranks on one GPU)."""
+    """The slow folders' tests first, the shared run's files first of all (each worker orders
+    them alike, and `make test`'s workers take them in this order). Tests marked `gpu` are
+    skipped, with the reason, where no CUDA device is visible, and those marked `two_ranks`
+    where exactly one is (NCCL refuses two ranks on one GPU)."""
+
+    def rank(item: pytest.Item) -> int:
+        path = test_file(item.nodeid)
+        if path in SHARED_RUN_FILES:
+            return 0
+        return next((i + 1 for i, p in enumerate(FIRST) if path.startswith(p)), len(FIRST) + 1)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
+    skip_without_devices(items)
+
+
+def skip_without_devices(items: list[pytest.Item]) -> None:
+    """Skip `gpu` tests without a CUDA device and `two_ranks` tests with exactly one."""
     import torch
 
     devices = torch.cuda.device_count()

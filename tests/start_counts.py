@@ -27,8 +27,12 @@ class StartCounter:
     def __init__(self, out: Path) -> None:
         self.out = out
         self.engine_pids: set[int] = set()
+        self.sessions: set[str] = set()
+        # sessions present before (another run's) and those already looked at
+        self.seen_sessions: set[str] = self._all_sessions()
         self.in_process_engines = 0
         self._lock = threading.Lock()
+        self._scan_lock = threading.Lock()
         self._stop = threading.Event()
         threading.Thread(target=self._poll, daemon=True).start()
         self._patch_backends()
@@ -55,31 +59,56 @@ class StartCounter:
             cls.__init__ = counted
 
     def _poll(self) -> None:
+        """Note the engines and Ray sessions this process started (itself or through a child):
+        under pytest-xdist the other worker's starts are its own to count."""
+        while not self._stop.wait(0.25):
+            self._scan()
+
+    def _scan(self) -> None:
         import psutil
 
-        while not self._stop.wait(0.25):
+        with self._scan_lock:  # the poller's and a test's end's scans, one at a time
             for proc in psutil.process_iter(["pid", "cmdline"]):
-                cmd = proc.info["cmdline"] or []
-                if cmd[:1] and cmd[0].startswith(ENGINE_TITLE):
+                pid, cmd = proc.info["pid"], proc.info["cmdline"] or []
+                engine = cmd[:1] and cmd[0].startswith(ENGINE_TITLE)
+                if engine and pid not in self.engine_pids and self._ours(pid):
                     with self._lock:
-                        self.engine_pids.add(proc.info["pid"])
+                        self.engine_pids.add(pid)
+            for session in self._all_sessions() - self.seen_sessions:
+                # a session's name ends with the pid of the process that started it
+                if self._ours(int(session.rsplit("_", 1)[1])):
+                    with self._lock:
+                        self.sessions.add(session)
+                self.seen_sessions.add(session)
 
     @staticmethod
-    def sessions() -> set[str]:
-        return {str(p) for root in RAY_ROOTS for p in root.glob("session_2*")}
+    def _ours(pid: int) -> bool:
+        import psutil
 
-    def snapshot(self) -> tuple[set[str], int, int]:
+        try:
+            proc = psutil.Process(pid)
+            return pid == os.getpid() or os.getpid() in {p.pid for p in proc.parents()}
+        except psutil.Error:  # gone before it was seen: not counted
+            return False
+
+    @staticmethod
+    def _all_sessions() -> set[str]:
+        return {p.name for root in RAY_ROOTS for p in root.glob("session_2*")}
+
+    def snapshot(self) -> tuple[set[str], set[int], int]:
         with self._lock:
-            return self.sessions(), len(self.engine_pids), self.in_process_engines
+            return set(self.sessions), set(self.engine_pids), self.in_process_engines
 
     def record(self, nodeid: str, phases: dict[str, float], before: tuple) -> None:
         """Append the test's row, counting what started since `before` (a `snapshot()`)."""
+        self._scan()  # a start in the test's last moments is its own
         after = self.snapshot()
         row = {
             "test": nodeid,
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
             **{k: round(v, 3) for k, v in phases.items()},
             "drivers": len(after[0] - before[0]),
-            "engines": (after[1] - before[1]) + (after[2] - before[2]),
+            "engines": len(after[1] - before[1]) + (after[2] - before[2]),
         }
         with self.out.open("a") as f:
             f.write(json.dumps(row) + "\n")
