@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -227,6 +228,16 @@ class RunControl:
     def programs(procs: list[psutil.Process]) -> set[str]:
         """What each process runs (`workflows.reaper.program`)."""
         return {program(p) for p in procs}
+
+    @staticmethod
+    def in_background(proc: subprocess.Popen) -> Future[str]:
+        """`proc`'s output once it ends, read in a thread while the test drives another run
+        beside it (an unread pipe would stall the run)."""
+        reader = ThreadPoolExecutor(max_workers=1)
+        try:
+            return reader.submit(lambda: proc.communicate(timeout=900)[0])
+        finally:
+            reader.shutdown(wait=False)
 
     def wait_for_actors(self, proc: subprocess.Popen, timeout_s: float = 600) -> None:
         """Until every kind of `ACTORS` runs under the driver (it must not exit before)."""

@@ -22,9 +22,9 @@ ENV = (
 def test_a_multi_turn_run_trains_on_the_model_s_tokens_and_resumes_exactly(
     tmp_path, run_cli, tiny_train_args, run_records, assert_same_weights, run_control
 ):
+    # the uninterrupted run beside the one that is interrupted
     full = run_cli(tiny_train_args(tmp_path / "a", *ENV))
-    log, _ = full.communicate(timeout=900)
-    assert full.returncode == 0, log[-4000:]
+    reference = run_control.in_background(full)
     proc = run_cli(tiny_train_args(tmp_path / "b", *ENV))
     checkpoints = tmp_path / "b" / "full" / "checkpoints"
     run_control.wait_for_commit(proc, checkpoints / "step_000000", poll_s=0.01)
@@ -33,6 +33,8 @@ def test_a_multi_turn_run_trains_on_the_model_s_tokens_and_resumes_exactly(
     resumed = run_cli(["train", "--resume", str(tmp_path / "b" / "full")])
     log, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, log[-4000:]
+    log = reference.result(timeout=900)
+    assert full.returncode == 0, log[-4000:]
     recoveries = (tmp_path / "b" / "full" / "recoveries.jsonl").read_text().splitlines()
     assert len(recoveries) == 1 and "GeneratorActor" in json.loads(recoveries[0])["cause"]
 

@@ -84,9 +84,9 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
         f"run.partial_rollout_tokens={PARTIAL_TOKENS}",
         WEIGHTED_REWARDS,
     )
+    # the uninterrupted run beside the one that is interrupted
     full = run_cli(tiny_train_args(tmp_path / "a", *extra))
-    log, _ = full.communicate(timeout=900)
-    assert full.returncode == 0, log[-4000:]
+    reference = run_control.in_background(full)
     proc = run_cli(tiny_train_args(tmp_path / "b", *extra))
     ckpt = tmp_path / "b" / "full" / "checkpoints" / "step_000000"
     run_control.wait_for_actors(proc)
@@ -108,6 +108,8 @@ def test_a_run_with_stale_rollouts_resumes_exactly(
     log, _ = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, log[-4000:]
     assert log.count("recovering (") == 1, log[-4000:]
+    log = reference.result(timeout=900)
+    assert full.returncode == 0, log[-4000:]
 
     run_a = tmp_path / "a" / "full"
     a = [json.loads(x) for x in (run_a / "metrics.jsonl").read_text().splitlines()]
