@@ -34,9 +34,10 @@ endif
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# Two workers (pytest-xdist): most of the suite's time is runs that leave a core idle; one
-# file's tests, or one shared run's, stay on one worker (tests/conftest.py).
-TEST_WORKERS ?= 2
+# `make test TEST_WORKERS=2`: two pytest-xdist workers (0: the suite in this process), one
+# file's tests, or the shared run's files, on one worker (tests/conftest.py). One process by
+# default until `rlvr serve`'s exit on SIGINT beside a worker is understood (docs/development.md).
+TEST_WORKERS ?= 0
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup

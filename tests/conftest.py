@@ -51,8 +51,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slow folders' tests first, the shared run's files first of all (each worker orders
-    them alike, and `make test`'s workers take them in this order). Tests marked `gpu` are
+    """Under pytest-xdist workers, the slow folders' tests first, the shared run's files first
+    of all (each worker orders them alike, and the workers take them in this order). Tests marked `gpu` are
     skipped, with the reason, where no CUDA device is visible, and those marked `two_ranks`
     where exactly one is (NCCL refuses two ranks on one GPU)."""
 
@@ -62,7 +62,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return 0
         return next((i + 1 for i, p in enumerate(FIRST) if path.startswith(p)), len(FIRST) + 1)
 
-    items.sort(key=rank)  # stable: a file's tests keep their order
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=rank)  # stable: a file's tests keep their order
     skip_without_devices(items)
 
 
