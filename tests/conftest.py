@@ -21,8 +21,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["WANDB_MODE"] = "offline"  # a test run never reaches W&B's servers, keys or not
 
 
-# The files whose tests share the session's finished tiny run (`tiny_run_dir`): under `make
-# test`'s workers (pytest-xdist, `--dist loadfile`) they run on one worker, so it runs once.
+# The files whose tests share the session's finished tiny run (`tiny_run_dir`): under `make test
+# TEST_WORKERS=2` (pytest-xdist, `--dist loadfile`) they run on one worker, so it runs once.
 SHARED_RUN_FILES = frozenset(
     f"tests/integration/{name}.py"
     for name in ("test_train_workflow", "test_recovery", "test_notebook")
@@ -32,7 +32,7 @@ SHARED_RUN_FILES = frozenset(
 FIRST = ("tests/integration/", "tests/actors/", "tests/models/", "tests/generation/")
 
 
-def test_file(nodeid: str) -> str:
+def file_of(nodeid: str) -> str:
     return nodeid.split("::")[0]
 
 
@@ -44,26 +44,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class SharedRunScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = test_file(nodeid)
+            path = file_of(nodeid)
             return "tiny_run_dir" if path in SHARED_RUN_FILES else path
 
     return SharedRunScheduling(config, log)
 
 
+def worker_rank(item: pytest.Item) -> int:
+    """Where a test's file goes in the workers' order: the shared run's files, then `FIRST`'s."""
+    path = file_of(item.nodeid)
+    if path in SHARED_RUN_FILES:
+        return 0
+    return next((i + 1 for i, p in enumerate(FIRST) if path.startswith(p)), len(FIRST) + 1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist workers, the slow folders' tests first, the shared run's files first
-    of all (each worker orders them alike, and the workers take them in this order). Tests marked `gpu` are
-    skipped, with the reason, where no CUDA device is visible, and those marked `two_ranks`
-    where exactly one is (NCCL refuses two ranks on one GPU)."""
-
-    def rank(item: pytest.Item) -> int:
-        path = test_file(item.nodeid)
-        if path in SHARED_RUN_FILES:
-            return 0
-        return next((i + 1 for i, p in enumerate(FIRST) if path.startswith(p)), len(FIRST) + 1)
-
+    """Under pytest-xdist workers, the tests in `worker_rank` order (each worker orders them
+    alike, and the workers take them in this order). Tests marked `gpu` are skipped, with the
+    reason, where no CUDA device is visible, and those marked `two_ranks` where exactly one is
+    (NCCL refuses two ranks on one GPU)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=rank)  # stable: a file's tests keep their order
+        items.sort(key=worker_rank)  # stable: a file's tests keep their order
     skip_without_devices(items)
 
 

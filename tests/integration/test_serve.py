@@ -861,8 +861,8 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_fr
         assert status.status_code == 200 and "default" in status.json()["streams"]
     finally:
         proc.send_signal(signal.SIGINT)
-        # Serve's shutdown takes seconds alone and minutes beside a loaded test worker: the bound
-        # only catches a hang, and then the driver's own output says where it was.
+        # The exit takes seconds; the bound catches a hang (seen beside a pytest-xdist worker),
+        # and then the driver's own output says where it was.
         try:
             proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
