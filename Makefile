@@ -34,10 +34,9 @@ endif
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# `make test TEST_WORKERS=2`: two pytest-xdist workers (0: the suite in this process), one
-# file's tests, or the shared run's files, on one worker (tests/conftest.py). One process by
-# default until `rlvr serve`'s exit on SIGINT beside a worker is understood (docs/development.md).
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers (`make test TEST_WORKERS=0`: the suite in this process); one file's
+# tests, or the shared run's files, on one worker (tests/conftest.py).
+TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup

@@ -11,6 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.integration.bounds import HANG_S
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -53,7 +55,7 @@ def test_job_submit_to_local_head(tmp_path, pick_free_ports):
     )
     try:
         address = f"http://127.0.0.1:{dash_port}"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 3 * HANG_S
         while True:  # wait for the dashboard's job API
             probe = subprocess.run(
                 [str(BIN / "ray"), "job", "list", "--address", address],
@@ -89,7 +91,7 @@ def test_job_submit_to_local_head(tmp_path, pick_free_ports):
             f"--set=run.output_dir={out}",
             "--set=run.name=job",
         ]
-        deadline = time.monotonic() + 180  # a loaded machine starts the agent slowly
+        deadline = time.monotonic() + 3 * HANG_S  # a loaded machine starts the agent slowly
         while True:  # the head's job agent registers a little after the job API answers
             job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=900)
             if job.returncode == 0 or "No available agent" not in job.stderr:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from rlvr.serving.api import Calibration, boxed
 from rlvr.serving.fuzz import CATEGORIES, Credentials, fuzz_cases, tally
 from rlvr.tasks.prompts import prompt_messages
 from rlvr.verifiers.math import verify_math
+from tests.integration.bounds import HANG_S
 from workflows.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,7 +303,7 @@ def test_shadow_verification_labels_every_round(server, problems):
             "correct"
         )
     assert labels[seqs[-1]] is False
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_S
     while csa_status(url, "shadow")["applied"] < len(seqs):
         assert time.monotonic() < deadline, "shadow labels were not applied"
         time.sleep(0.2)
@@ -338,7 +340,7 @@ def test_feedback_cannot_preempt_the_shadow_verifier(server, problems):
     r = feedback(url, seq, True, "busy")
     assert r.status_code == 409
     assert r.json()["error"]["code"] in ("label_source_fixed", "already_labelled")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_S
     while csa_status(url, "busy")["pending"]:
         assert time.monotonic() < deadline, "the shadow label was not applied"
         time.sleep(0.2)
@@ -621,7 +623,7 @@ def test_controller_restart_restores_the_stream_exactly(server):
 
         ray.kill(controller, no_restart=False)
         # The kill is asynchronous: wait until a new process answers.
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_S
         new_pid = pid
         while new_pid == pid:
             assert time.monotonic() < deadline, "the StreamsActor did not come back"
@@ -805,7 +807,7 @@ def test_a_replica_killed_under_load_leaves_the_streams_intact(server):
     lost = {seq for seq, *_ in state["pending"]} - waiting
     assert not lost & labelled and len(lost) == decided - len(labelled) <= len(failed)
     # Serve replaces the replica; the deployment answers again.
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + HANG_S
     while len(names := {n for n, _ in replica_handles()}) < 2 or name in names:
         assert time.monotonic() < deadline, "Serve did not replace the replica"
         time.sleep(0.5)
@@ -813,6 +815,19 @@ def test_a_replica_killed_under_load_leaves_the_streams_intact(server):
         for i in range(4):
             r = http.post(CHAT_PATH, json=valid_chat(server, "kill", 1000 + i), headers=CLIENT)
             assert r.status_code == 200, r.text
+
+
+def driver_stacks(pid: int) -> str:
+    """Every thread's stack in a hung driver (py-spy, which Ray's default extras install), or
+    why none could be taken."""
+    spy = Path(sys.executable).with_name("py-spy")
+    try:
+        done = subprocess.run(
+            [str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"(no stacks: {err})"
+    return done.stdout + done.stderr
 
 
 def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_free_ports):
@@ -844,7 +859,7 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_fr
     reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 3 * HANG_S
         while not any(line.startswith("live updates: ") for line in lines):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
             time.sleep(0.2)
@@ -866,10 +881,11 @@ def test_rlvr_serve_runs_until_interrupted(sft_model, tmp_path, run_cli, pick_fr
         try:
             proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
+            stacks = driver_stacks(proc.pid)
             proc.kill()
             reader.join(timeout=30)
             raise AssertionError(
-                "rlvr serve outlived its SIGINT:\n" + "".join(lines)[-4000:]
+                f"rlvr serve outlived its SIGINT:\n{''.join(lines)[-4000:]}\n{stacks}"
             ) from None
         reader.join(timeout=30)
     log = "".join(lines)
