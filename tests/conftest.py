@@ -21,8 +21,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["WANDB_MODE"] = "offline"  # a test run never reaches W&B's servers, keys or not
 
 
-# The files whose tests share the session's finished tiny run (`tiny_run_dir`): under `make test
-# TEST_WORKERS=2` (pytest-xdist, `--dist loadfile`) they run on one worker, so it runs once.
+# The files whose tests share the session's finished tiny run (`tiny_run_dir`): under `make
+# test`'s workers (pytest-xdist, `--dist loadfile`) they run on one worker, so it runs once.
 SHARED_RUN_FILES = frozenset(
     f"tests/integration/{name}.py"
     for name in ("test_train_workflow", "test_recovery", "test_notebook")

@@ -385,7 +385,8 @@ class VLLMBackend:
     without serialising them to a worker process. Side effects on this process, on CPU: vLLM's
     worker replaces torch.set_num_threads with a no-op (the thread count stays as it was when the
     first engine started, for every later torch user too), and vLLM caches its environment
-    variables once the first engine has started.
+    variables once the first engine has started, and its torch.compile stance is the last
+    engine's (`enforce_eager`: every torch.compile of the process runs eagerly).
 
     Each sample is its own vLLM request, so every sample gets its own seed (params.seed + j) and
     its own stop rule (vLLM's own n > 1 fan-out would deep-copy one rule key into every child);
@@ -446,6 +447,10 @@ class VLLMBackend:
         if engine_loop not in ("requests", "batch"):
             raise ValueError(f"engine_loop must be 'requests' or 'batch', got {engine_loop!r}")
         self.engine_loop: EngineLoop = engine_loop
+        # Eager means no torch.compile at all: vLLM still compiles a few sampler helpers (the
+        # sampled token's rank, for log-probs) through Inductor at the first step, a C++ build
+        # of 15 s CPU on a cold cache and 2.5 s of tracing on a warm one, in every engine process.
+        torch.compiler.set_stance("force_eager" if enforce_eager else "default")
         # vLLM freezes its environment once an engine of this process starts; this engine's own
         # settings below (its thread binding, for tensor parallelism) must be read afresh.
         vllm_envs.disable_envs_cache()

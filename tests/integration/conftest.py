@@ -37,6 +37,9 @@ FAST = [
     "training.mini_batches=2",
     "training.lr_schedule=cosine",
     "training.warmup_steps=1",
+    # One torch thread per actor: the suite runs beside another test worker, and a 2-thread
+    # OpenMP team on a shared 2-core machine waits at every barrier for its descheduled half.
+    "resources.torch_threads=1",
 ]
 
 

@@ -21,6 +21,7 @@ FAST = {
     "run.eval_every": 0,
     "run.loggers": [],
     "resources.num_verifiers": 1,
+    "resources.torch_threads": 1,  # beside another test worker (conftest.FAST)
 }
 
 

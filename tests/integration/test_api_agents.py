@@ -26,6 +26,7 @@ FAST = {
     "run.eval_every": 0,
     "run.loggers": [],
     "resources.num_verifiers": 1,
+    "resources.torch_threads": 1,  # beside another test worker (conftest.FAST)
 }
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 

@@ -48,7 +48,7 @@ def test_notebook_inspects_a_finished_run(tiny_run_dir, ray_cluster, monkeypatch
     NotebookClient(
         nb,
         kernel_name="python3",
-        timeout=300,
+        timeout=600,
         resources={"metadata": {"path": str(NOTEBOOK.parent)}},
     ).execute()
 
@@ -76,7 +76,7 @@ def test_quickstart_trains_watches_inspects_and_evaluates(tmp_path, monkeypatch,
     NotebookClient(
         nb,
         kernel_name="python3",
-        timeout=600,
+        timeout=900,
         resources={"metadata": {"path": str(QUICKSTART.parent)}},
     ).execute()
 
