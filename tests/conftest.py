@@ -19,6 +19,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["WANDB_MODE"] = "offline"  # a test run never reaches W&B's servers, keys or not
+# Ray starts its workers (every actor) at nice 15 so that its own daemons stay responsive; beside
+# any other process at nice 0 they then get a thirtieth of its CPU share, and the suite, whose
+# work is its actors, crawls on a machine that is merely busy. The tests' clusters run them at 0.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 # The files whose tests share the session's finished tiny run (`tiny_run_dir`): under `make
