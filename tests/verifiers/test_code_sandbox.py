@@ -52,16 +52,22 @@ def _sandbox_processes() -> list[psutil.Process]:
     escaped its sandbox's process tree is counted wherever it came from)."""
     others = _other_test_workers()
     out = []
-    for p in psutil.process_iter(["uids"]):
-        uids = p.info["uids"]
-        if uids is None or uids.real not in SANDBOX_UIDS:
-            continue
+    for p, _ in _as_sandbox_uids():
         try:
             if others.isdisjoint(a.pid for a in p.parents()):
                 out.append(p)
         except psutil.NoSuchProcess:  # ended meanwhile
             continue
     return out
+
+
+def _as_sandbox_uids() -> list[tuple[psutil.Process, int]]:
+    """Every process running as a sandbox user, with that uid."""
+    return [
+        (p, uids.real)
+        for p in psutil.process_iter(["uids"])
+        if (uids := p.info["uids"]) is not None and uids.real in SANDBOX_UIDS
+    ]
 
 
 def _run_processes(launcher: psutil.Process) -> list[psutil.Process]:
@@ -72,12 +78,7 @@ def _run_processes(launcher: psutil.Process) -> list[psutil.Process]:
         pids = {launcher.pid} | {c.pid for c in launcher.children(recursive=True)}
     except psutil.NoSuchProcess:
         return []
-    out = []
-    for p in psutil.process_iter(["uids"]):
-        uids = p.info["uids"]
-        if uids is not None and uids.real in SANDBOX_UIDS and uids.real - SANDBOX_UIDS[0] in pids:
-            out.append(p)
-    return out
+    return [p for p, uid in _as_sandbox_uids() if uid - SANDBOX_UIDS[0] in pids]
 
 
 def _descendants() -> set[int]:
