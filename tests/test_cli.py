@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -300,6 +301,33 @@ def test_ctrl_c_asks_for_a_stop_at_the_next_step_boundary(capsys):
         )
         # While the actors are stopped, another SIGTERM takes the default way out.
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_server_s_stop_event_is_set_by_ctrl_c_or_sigterm():
+    """`rlvr serve`'s loop ends at a flag the signals set (not at a KeyboardInterrupt, which a Ray
+    call can drop): Ctrl-C or SIGTERM sets it, a second Ctrl-C raises; off the main thread no
+    handler is set; the handlers that were there before come back after."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with stopping.stop_event_on_signals() as stop:
+            assert not stop.is_set()
+            os.kill(os.getpid(), signum)
+            assert stop.wait(timeout=30)  # seconds at most; the bound only catches a hang
+            if signum == signal.SIGINT:
+                with pytest.raises(KeyboardInterrupt):
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(5)
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    seen = []
+
+    def elsewhere() -> None:
+        with stopping.stop_event_on_signals() as stop:
+            seen.append((stop.is_set(), signal.getsignal(signal.SIGINT)))
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert seen == [(False, before[0])]
 
 
 def test_a_requested_stop_waits_for_its_step_and_the_earliest_request_wins():

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
@@ -60,6 +59,7 @@ from rlvr.serving.edge import ROUTES_PATH, EdgePolicy
 from rlvr.serving.live_updates import UPDATER_FILE, UpdaterState
 from rlvr.serving.stream_host import StreamSpec
 from workflows.serve_replica import ADMISSION_SLACK, APP_NAME, CSAServer, ServeSettings
+from workflows.stopping import stop_event_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -261,17 +261,18 @@ def check_edge(host: str, port: int) -> None:
 
 
 def serve_forever(cfg: ServeConfig, prepared: PreparedServe) -> None:
-    """`rlvr serve`: run until interrupted (Ctrl-C also during start-up), then shut Serve down
-    (stream state stays on disk)."""
+    """`rlvr serve`: run until Ctrl-C or SIGTERM (Ctrl-C also during start-up), then shut Serve
+    down (stream state stays on disk)."""
     streams = None
     try:
         # The stream owner lives as long as this driver holds a handle to it.
         streams = start_serving(cfg, prepared)
         announce(cfg, prepared)
-        if not cfg.live.enabled:
-            while True:
-                time.sleep(3600)
-        live_updates(cfg, prepared, streams, threading.Event())
+        with stop_event_on_signals() as stop:
+            if cfg.live.enabled:
+                live_updates(cfg, prepared, streams, stop)
+            else:
+                stop.wait()
     except KeyboardInterrupt:
         pass
     finally:

@@ -3,13 +3,14 @@ there (saying so at once), a second Ctrl-C or a SIGTERM stops it at once. Either
 loop's cleanup stops the actors, Ray's exit takes the cluster down, and `--resume` continues after
 the last committed step. A run outside the main thread, where no signal handler can be set (the
 Python API's background runs), stops after its current step when `request_stop` asks, as a first
-Ctrl-C would.
+Ctrl-C would. A server (`rlvr serve`) stops its loop at the flag `stop_event_on_signals` sets.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,6 +64,34 @@ def stopping_on_signals() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         _clear()
+
+
+@contextmanager
+def stop_event_on_signals() -> Iterator[threading.Event]:
+    """An event that Ctrl-C or SIGTERM sets while the block runs, for a loop that waits on it: a
+    KeyboardInterrupt raised while the main thread is inside a Ray call can be dropped there (a
+    `rlvr serve` driver outlived its SIGINT, looping on), a flag stays set. A second Ctrl-C
+    raises KeyboardInterrupt as before. Outside the main thread no handler can be set: the
+    event is then set by nothing but its owner. The previous handlers come back after it."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(signum: int, frame: object) -> None:
+        if stop.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        # From another thread: the handler may run while this one holds the event's lock.
+        threading.Thread(target=stop.set, daemon=True).start()
+
+    for signum in previous:
+        signal.signal(signum, on_signal)
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def request_stop(after_step: int | None = None) -> None:
