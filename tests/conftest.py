@@ -23,6 +23,11 @@ os.environ["WANDB_MODE"] = "offline"  # a test run never reaches W&B's servers, 
 # any other process at nice 0 they then get a thirtieth of its CPU share, and the suite, whose
 # work is its actors, crawls on a machine that is merely busy. The tests' clusters run them at 0.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Idle OpenMP threads sleep at once instead of spinning first (GNU OpenMP's default): beside the
+# other test worker on 2 cores, a team that spins between parallel regions takes the cores the
+# other's work needs (tests/training/test_policy_trainer.py twice side by side: 86-96 CPU s each
+# spinning, 72-75 passive). Set before torch loads its OpenMP runtime, which reads it then.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 # The files whose tests share the session's finished tiny run (`tiny_run_dir`): under `make

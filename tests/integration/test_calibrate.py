@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.integration.bounds import HANG_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 LOW_MEMORY = textwrap.dedent(
@@ -44,7 +46,7 @@ def test_calibrate_starts_a_sized_vllm_engine_with_little_memory_free(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=3 * HANG_S,  # 53 s quiet (2026-12-08): a bound on a hang only
     )
     log = done.stdout + done.stderr  # vLLM logs to stdout, before the command's JSON summary
     assert done.returncode == 0, log[-4000:]
