@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,19 +50,15 @@ def stopping_on_signals() -> Iterator[None]:
     """Answer Ctrl-C and SIGTERM as this module says while the block runs (in the main thread,
     after `ray.init`, whose own handlers abort the process on SIGTERM); the previous handlers
     come back after it."""
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     _clear()
-    signal.signal(signal.SIGINT, _on_interrupt)
-    signal.signal(signal.SIGTERM, _on_terminate)
     try:
-        yield
+        with _handling({signal.SIGINT: _on_interrupt, signal.SIGTERM: _on_terminate}):
+            yield
     except RunStopped:
         raise
     except KeyboardInterrupt:  # the stop, as `ray.get` raises it again
         raise RunStopped(_now[0] if _now else "SIGINT", at_boundary=False) from None
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         _clear()
 
 
@@ -77,7 +73,6 @@ def stop_event_on_signals() -> Iterator[threading.Event]:
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def on_signal(signum: int, frame: object) -> None:
         if stop.is_set() and signum == signal.SIGINT:
@@ -85,10 +80,18 @@ def stop_event_on_signals() -> Iterator[threading.Event]:
         # From another thread: the handler may run while this one holds the event's lock.
         threading.Thread(target=stop.set, daemon=True).start()
 
-    for signum in previous:
-        signal.signal(signum, on_signal)
-    try:
+    with _handling({signal.SIGINT: on_signal, signal.SIGTERM: on_signal}):
         yield stop
+
+
+@contextmanager
+def _handling(handlers: dict[signal.Signals, Callable[[int, object], None]]) -> Iterator[None]:
+    """`handlers` answer their signals while the block runs; the previous ones come back after."""
+    previous = {signum: signal.getsignal(signum) for signum in handlers}
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    try:
+        yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
